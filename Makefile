@@ -1,0 +1,50 @@
+# Two entry points, each working on a fresh machine with only python3, pip and make:
+#   make demo   run the main job on CPU with default settings
+#   make test   lint, type-check, check the import layers, test every package, and prove
+#               each package builds and passes its tests on its own
+# Both bootstrap .venv (CPU torch, every package editable, the dev tools) when needed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PACKAGES := afd-protocol afd-transport-nvshmem afd-transport-cam afd-models afd-vllm
+PKG_DIRS := $(addprefix packages/,$(PACKAGES)) tools
+EDITABLES := $(foreach d,$(PKG_DIRS),-e $(d)[test])
+STAMP := $(VENV)/.afd-installed
+
+.PHONY: demo test lint typecheck layers pytest standalone venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml $(foreach d,$(PKG_DIRS),$(d)/pyproject.toml)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=25.1"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --group dev $(EDITABLES)
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/afd roundtrip
+
+test: lint typecheck layers pytest standalone
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy --strict packages/afd-protocol/src
+	$(VENV)/bin/mypy $(foreach d,$(filter-out packages/afd-protocol,$(PKG_DIRS)),$(d)/src)
+
+layers: $(STAMP)
+	$(VENV)/bin/lint-imports
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q $(foreach d,$(PKG_DIRS),$(d)/tests)
+
+standalone: $(STAMP)
+	$(PY) tools/dev/standalone_check.py $(PKG_DIRS)
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,18 @@
+"""Packaging checks: the installed distribution is importable and self-consistent."""
+
+from importlib import resources
+from importlib.metadata import distribution
+
+import afd_models
+
+
+def test_version_matches_installed_distribution() -> None:
+    assert afd_models.__version__ == distribution("afd-models").version
+
+
+def test_declares_that_it_is_not_implemented_yet() -> None:
+    assert afd_models.IMPLEMENTED is False
+
+
+def test_ships_type_information() -> None:
+    assert resources.files(afd_models).joinpath("py.typed").is_file()

@@ -1,0 +1,36 @@
+"""Entry point of the ``afd`` command: one sub-command per module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from afd_protocol import AFDError
+from afd_tools import __version__, roundtrip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afd",
+        description="Asynchronous Attention-FFN Disaggregation (AFD) for MoE prefill.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"afd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    roundtrip.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except AFDError as exc:  # configuration and protocol errors: one line, no traceback
+        print(f"afd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
