@@ -1,0 +1,278 @@
+"""The slot header: int32 words that carry every piece of metadata in band.
+
+The receiver knows nothing about a message in advance; everything it needs (which
+layer and stage, how many tokens and rows, how rows are grouped by local expert, and
+which request a reply answers) comes in the header::
+
+    word  0  MAGIC         0x41464447 ("AFDG" read as a big-endian int32)
+    word  1  VERSION       PROTOCOL_VERSION
+    word  2  KIND          1 = dispatch (attention -> FFN), 2 = reply (FFN -> attention)
+    word  3  SRC_RANK      sender's role rank (equals the region it writes)
+    word  4  LAYER         model layer index
+    word  5  STAGE         micro-batch stage index
+    word  6  NUM_TOKENS    tokens in the sender's batch
+    word  7  ROUTED_ROWS   routed rows in this slot (sum of the expert counts)
+    word  8  SHARED_ROWS   shared-expert rows in this slot
+    word  9  FLAGS         bit 0 shutdown, bit 1 abort
+    word 10  SEQ           sender's sequence number for this message (>= 1)
+    word 11  ANSWER_SEQ    on replies, the dispatch SEQ it answers; 0 on dispatch
+    word 12  NUM_COUNTS    number of per-local-expert count words that follow
+    word 13  CHECKSUM      position-weighted sum of all other words (see below)
+    word 14+ EXPERT_COUNTS rows per local expert, ascending local id
+
+The sequence numbers make arrival detection ABA-safe (a flag word holds the sender's
+SEQ, which only grows) and let the attention side reject a stale or misdirected reply.
+
+The checksum is ``(sum_i (2i + 1) * word_i + SALT) mod 2**32`` over every word except
+itself. Each weight is odd and therefore invertible modulo ``2**32``, so changing any
+single word by any amount changes the checksum: every single-word corruption is caught,
+not just most. It is computable with integer tensor ops on a device, so a device-side
+packer can fill in the counts and the checksum without a host round trip.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from afd_protocol.errors import ProtocolError
+
+MAGIC = 0x41464447  # b"AFDG"
+PROTOCOL_VERSION = 1
+CHECKSUM_SALT = 0x9E3779B9
+MAX_COUNT_WORDS = 1 << 16
+
+FLAG_SHUTDOWN = 1 << 0
+FLAG_ABORT = 1 << 1
+KNOWN_FLAGS = FLAG_SHUTDOWN | FLAG_ABORT
+
+
+class Word(enum.IntEnum):
+    """Index of each fixed header word."""
+
+    MAGIC = 0
+    VERSION = 1
+    KIND = 2
+    SRC_RANK = 3
+    LAYER = 4
+    STAGE = 5
+    NUM_TOKENS = 6
+    ROUTED_ROWS = 7
+    SHARED_ROWS = 8
+    FLAGS = 9
+    SEQ = 10
+    ANSWER_SEQ = 11
+    NUM_COUNTS = 12
+    CHECKSUM = 13
+
+
+HEADER_FIXED_WORDS = len(Word)
+
+
+class MessageKind(enum.IntEnum):
+    DISPATCH = 1
+    REPLY = 2
+
+
+@dataclass(frozen=True)
+class Header:
+    """Decoded header of one slot."""
+
+    kind: MessageKind
+    src_rank: int
+    layer: int
+    stage: int
+    num_tokens: int
+    routed_rows: int
+    shared_rows: int
+    seq: int
+    answer_seq: int = 0
+    flags: int = 0
+    expert_counts: tuple[int, ...] = field(default=())
+
+    @property
+    def shutdown(self) -> bool:
+        return bool(self.flags & FLAG_SHUTDOWN)
+
+    @property
+    def abort(self) -> bool:
+        return bool(self.flags & FLAG_ABORT)
+
+    @property
+    def num_words(self) -> int:
+        return HEADER_FIXED_WORDS + len(self.expert_counts)
+
+
+@dataclass(frozen=True)
+class HeaderLimits:
+    """What a receiver knows in advance and checks every decoded header against.
+
+    ``None`` leaves a bound unchecked (for example ``num_layers`` on a generic decoder).
+    """
+
+    token_cap: int
+    routed_cap: int
+    shared_cap: int
+    num_counts: int | None = None
+    num_src_ranks: int | None = None
+    num_layers: int | None = None
+    num_stages: int | None = None
+
+
+def checksum(words: Sequence[int]) -> int:
+    """Checksum of a full header word list (the CHECKSUM word itself is skipped)."""
+    total = CHECKSUM_SALT
+    for i, w in enumerate(words):
+        if i != Word.CHECKSUM:
+            total += (2 * i + 1) * (w & 0xFFFFFFFF)
+    return total & 0xFFFFFFFF
+
+
+def _to_int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+def encode_words(header: Header) -> list[int]:
+    """Header -> int32 word values (as Python ints in int32 range)."""
+    fixed = {
+        Word.MAGIC: MAGIC,
+        Word.VERSION: PROTOCOL_VERSION,
+        Word.KIND: int(header.kind),
+        Word.SRC_RANK: header.src_rank,
+        Word.LAYER: header.layer,
+        Word.STAGE: header.stage,
+        Word.NUM_TOKENS: header.num_tokens,
+        Word.ROUTED_ROWS: header.routed_rows,
+        Word.SHARED_ROWS: header.shared_rows,
+        Word.FLAGS: header.flags,
+        Word.SEQ: header.seq,
+        Word.ANSWER_SEQ: header.answer_seq,
+        Word.NUM_COUNTS: len(header.expert_counts),
+        Word.CHECKSUM: 0,
+    }
+    words = [fixed[w] for w in Word] + list(header.expert_counts)
+    for i, w in enumerate(words):
+        if not -(1 << 31) <= w < (1 << 31):
+            raise ProtocolError(f"header word {_word_name(i)}={w} does not fit in int32")
+    words[Word.CHECKSUM] = _to_int32(checksum(words))
+    return words
+
+
+def encode_header(header: Header) -> torch.Tensor:
+    """Header -> a CPU int32 tensor ready to copy into a slot's header field."""
+    return torch.tensor(encode_words(header), dtype=torch.int32)
+
+
+def _word_name(i: int) -> str:
+    return Word(i).name if i < HEADER_FIXED_WORDS else f"EXPERT_COUNTS[{i - HEADER_FIXED_WORDS}]"
+
+
+def _bad(name: str, value: int, expected: str) -> ProtocolError:
+    return ProtocolError(f"bad slot header: {name}={value}, expected {expected}")
+
+
+def decode_header(
+    words: Sequence[int] | torch.Tensor, limits: HeaderLimits | None = None
+) -> Header:
+    """Validate and decode header words; raise :class:`ProtocolError` naming the field.
+
+    ``words`` may be longer than the header (a whole header field); it may not be shorter.
+    """
+    if isinstance(words, torch.Tensor):
+        if words.dtype != torch.int32 or words.dim() != 1:
+            raise ProtocolError(
+                f"header must be a 1-D int32 tensor, got {words.dtype} of shape "
+                f"{tuple(words.shape)}"
+            )
+        values: list[int] = [int(v) for v in words.tolist()]
+    else:
+        values = [int(v) for v in words]
+    if len(values) < HEADER_FIXED_WORDS:
+        raise ProtocolError(
+            f"truncated slot header: {len(values)} words, the fixed part alone has "
+            f"{HEADER_FIXED_WORDS}"
+        )
+
+    def word(w: Word) -> int:
+        return values[w]
+
+    if word(Word.MAGIC) != MAGIC:
+        raise _bad("MAGIC", word(Word.MAGIC), f"{MAGIC:#x} ('AFDG'); not an afd slot")
+    if word(Word.VERSION) != PROTOCOL_VERSION:
+        raise _bad(
+            "VERSION",
+            word(Word.VERSION),
+            f"{PROTOCOL_VERSION}; both roles must run the same afd-protocol version",
+        )
+    kind_value = word(Word.KIND)
+    if kind_value not in (k.value for k in MessageKind):
+        raise _bad("KIND", kind_value, "1 (dispatch) or 2 (reply)")
+    kind = MessageKind(kind_value)
+
+    num_counts = word(Word.NUM_COUNTS)
+    expected_counts = limits.num_counts if limits is not None else None
+    if not 0 <= num_counts <= MAX_COUNT_WORDS or (
+        expected_counts is not None and num_counts != expected_counts
+    ):
+        want = f"{expected_counts}" if expected_counts is not None else f"0..{MAX_COUNT_WORDS}"
+        raise _bad("NUM_COUNTS", num_counts, want)
+    if len(values) < HEADER_FIXED_WORDS + num_counts:
+        raise ProtocolError(
+            f"truncated slot header: {len(values)} words, NUM_COUNTS={num_counts} needs "
+            f"{HEADER_FIXED_WORDS + num_counts}"
+        )
+    values = values[: HEADER_FIXED_WORDS + num_counts]
+
+    def in_range(w: Word, low: int, high: int | None) -> int:
+        v = word(w)
+        if v < low or (high is not None and v >= high):
+            span = f"[{low}, {high})" if high is not None else f">= {low}"
+            raise _bad(w.name, v, span)
+        return v
+
+    lim = limits
+    src_rank = in_range(Word.SRC_RANK, 0, lim.num_src_ranks if lim else None)
+    layer = in_range(Word.LAYER, 0, lim.num_layers if lim else None)
+    stage = in_range(Word.STAGE, 0, lim.num_stages if lim else None)
+    num_tokens = in_range(Word.NUM_TOKENS, 0, lim.token_cap + 1 if lim else None)
+    routed_rows = in_range(Word.ROUTED_ROWS, 0, lim.routed_cap + 1 if lim else None)
+    shared_rows = in_range(Word.SHARED_ROWS, 0, lim.shared_cap + 1 if lim else None)
+    flags = word(Word.FLAGS)
+    if flags & ~KNOWN_FLAGS:
+        raise _bad("FLAGS", flags, f"only bits {KNOWN_FLAGS:#b} (shutdown, abort)")
+    seq = in_range(Word.SEQ, 1, None)
+    answer_seq = word(Word.ANSWER_SEQ)
+    if kind is MessageKind.DISPATCH and answer_seq != 0:
+        raise _bad("ANSWER_SEQ", answer_seq, "0 on a dispatch")
+    if kind is MessageKind.REPLY and answer_seq < 1:
+        raise _bad("ANSWER_SEQ", answer_seq, ">= 1 on a reply")
+    counts = tuple(values[HEADER_FIXED_WORDS:])
+    for i, c in enumerate(counts):
+        if c < 0:
+            raise _bad(f"EXPERT_COUNTS[{i}]", c, ">= 0")
+    if sum(counts) != routed_rows:
+        raise _bad("ROUTED_ROWS", routed_rows, f"the sum of EXPERT_COUNTS ({sum(counts)})")
+    stored = word(Word.CHECKSUM) & 0xFFFFFFFF
+    if stored != checksum(values):
+        raise _bad(
+            "CHECKSUM",
+            stored,
+            f"{checksum(values):#x}; the header was corrupted or written concurrently",
+        )
+    return Header(
+        kind=kind,
+        src_rank=src_rank,
+        layer=layer,
+        stage=stage,
+        num_tokens=num_tokens,
+        routed_rows=routed_rows,
+        shared_rows=shared_rows,
+        seq=seq,
+        answer_seq=answer_seq,
+        flags=flags,
+        expert_counts=counts,
+    )

@@ -1,0 +1,260 @@
+"""Dispatch planning and the weighted combine, shared by every transport.
+
+``plan_dispatch`` turns the router's ``topk_ids [T, k]`` into the wire order with one
+stable sort: each routed *partial* (token t, choice j) gets the wire position of its
+expert (destination FFN rank first, local expert id second, see
+:class:`~afd_protocol.topology.ExpertPlacement`), and sorting by that key groups the
+partials by destination and, inside each destination's segment, by local expert in
+ascending order -- exactly the order the FFN side computes in. A ``bincount`` of the
+keys is the group list, its prefix sum the segment offsets. Stability keeps the
+partials of one expert in token order, which makes the plan deterministic.
+
+``topk_weights`` never travel: the attention side keeps them, and
+:func:`combine_scatter` applies them while accumulating replies into an fp32
+accumulator (a weighted ``index_add_``). Summation order therefore does not depend on
+which FFN rank answers first beyond fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from afd_protocol.errors import ProtocolError, TopologyError
+from afd_protocol.layout import SharedPlacement, SlotLayout
+from afd_protocol.topology import Topology
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Where each routed partial goes, and how to put the replies back together.
+
+    Tensors live on the device of ``topk_ids``; the segment bounds and counts are also
+    kept on the host (one device-to-host copy per plan) because the sender slices with
+    them.
+    """
+
+    num_tokens: int
+    topk: int
+    shared_placement: SharedPlacement
+    order: torch.Tensor
+    """int64 ``[T * k]``: flat partial index ``t * k + j`` of each row, in wire order."""
+    row_token: torch.Tensor
+    """int64 ``[T * k]``: token of each row in wire order (``order // k``)."""
+    expert_counts: torch.Tensor
+    """int64 ``[E]``: rows per expert, indexed by wire position (rank-major)."""
+    host_expert_counts: tuple[int, ...]
+    rank_wire_offsets: tuple[int, ...]
+    """Rank ``d`` owns wire positions ``[rank_wire_offsets[d], rank_wire_offsets[d + 1])``."""
+    segment_offsets: tuple[int, ...]
+    """Rows for FFN rank ``d`` are ``[segment_offsets[d], segment_offsets[d + 1])``."""
+    shared_tokens: tuple[torch.Tensor, ...]
+    """Per FFN rank, the tokens whose shared-expert branch it computes (``ffn`` placement)."""
+
+    @property
+    def num_ffn_ranks(self) -> int:
+        return len(self.segment_offsets) - 1
+
+    @property
+    def row_k(self) -> torch.Tensor:
+        """Which of its ``k`` choices each row is, in wire order (``order % k``)."""
+        return self.order % self.topk
+
+    def segment(self, dest: int) -> slice:
+        return slice(self.segment_offsets[dest], self.segment_offsets[dest + 1])
+
+    def routed_rows(self, dest: int) -> int:
+        return self.segment_offsets[dest + 1] - self.segment_offsets[dest]
+
+    def shared_rows(self, dest: int) -> int:
+        return int(self.shared_tokens[dest].numel())
+
+    def group_list(self, dest: int) -> torch.Tensor:
+        """Rows per local expert of FFN rank ``dest`` (device tensor, ascending local id)."""
+        return self.expert_counts[self.rank_wire_offsets[dest] : self.rank_wire_offsets[dest + 1]]
+
+    def host_group_list(self, dest: int) -> tuple[int, ...]:
+        lo, hi = self.rank_wire_offsets[dest], self.rank_wire_offsets[dest + 1]
+        return self.host_expert_counts[lo:hi]
+
+    @property
+    def destinations(self) -> tuple[int, ...]:
+        """FFN ranks that receive anything; only these are waited on at combine."""
+        return tuple(
+            d
+            for d in range(self.num_ffn_ranks)
+            if self.routed_rows(d) > 0 or self.shared_rows(d) > 0
+        )
+
+    def tokens_for(self, dest: int) -> torch.Tensor:
+        """Source token of each routed row sent to ``dest``, in wire order."""
+        return self.row_token[self.segment(dest)]
+
+    def gather(self, hidden_states: torch.Tensor, dest: int) -> torch.Tensor:
+        """The routed rows for ``dest``: ``hidden_states`` rows in wire order."""
+        return hidden_states.index_select(0, self.tokens_for(dest))
+
+    def gather_shared(self, hidden_states: torch.Tensor, dest: int) -> torch.Tensor:
+        return hidden_states.index_select(0, self.shared_tokens[dest])
+
+    def check_capacity(self, layout: SlotLayout) -> None:
+        """Raise :class:`~afd_protocol.errors.CapacityError` if any destination overflows."""
+        layout.check_capacity(self.num_tokens)
+        for d in range(self.num_ffn_ranks):
+            layout.check_capacity(self.num_tokens, self.routed_rows(d), self.shared_rows(d), dest=d)
+
+
+def plan_dispatch(
+    topk_ids: torch.Tensor,
+    topology: Topology,
+    shared_placement: SharedPlacement | str = SharedPlacement.ATTENTION,
+    layout: SlotLayout | None = None,
+) -> DispatchPlan:
+    """Plan one layer's dispatch from the router's choices (see the module docstring).
+
+    With ``layout`` given, capacities are checked here, before anything is written.
+    """
+    placement_kind = SharedPlacement(shared_placement)
+    if topk_ids.dim() != 2:
+        raise TopologyError(
+            f"topk_ids must be [num_tokens, topk], got shape {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TopologyError(f"topk_ids must hold integer expert ids, got {topk_ids.dtype}")
+    num_tokens, topk = topk_ids.shape
+    placement = topology.expert_placement
+    num_experts = placement.num_experts
+    device = topk_ids.device
+
+    flat = topk_ids.reshape(-1).long()
+    wire_of_expert = torch.tensor(placement.wire_position, dtype=torch.long, device=device)
+    keys = wire_of_expert[flat.clamp(0, num_experts - 1)]
+    counts = torch.bincount(keys, minlength=num_experts)
+    order = torch.sort(keys, stable=True).indices
+    # One device-to-host copy carries the range check and the counts.
+    if flat.numel():
+        bounds = torch.stack([flat.min(), flat.max()])
+    else:
+        bounds = torch.zeros(2, dtype=torch.long, device=device)
+    host = torch.cat([bounds, counts]).tolist()
+    low, high, host_counts = host[0], host[1], tuple(int(c) for c in host[2:])
+    if low < 0 or high >= num_experts:
+        bad = low if low < 0 else high
+        raise TopologyError(
+            f"topk_ids holds expert id {bad}, outside [0, {num_experts}): the router and the "
+            f"topology disagree on the number of routed experts"
+        )
+
+    rank_offsets = placement.rank_wire_offsets
+    segments = [0]
+    for d in range(placement.num_ffn_ranks):
+        segments.append(segments[-1] + sum(host_counts[rank_offsets[d] : rank_offsets[d + 1]]))
+
+    f = topology.num_ffn_ranks
+    if placement_kind is SharedPlacement.FFN:
+        shared = tuple(
+            torch.arange(d, max(d, num_tokens), f, dtype=torch.long, device=device)
+            for d in range(f)
+        )
+    else:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        shared = tuple(empty for _ in range(f))
+
+    plan = DispatchPlan(
+        num_tokens=num_tokens,
+        topk=topk,
+        shared_placement=placement_kind,
+        order=order,
+        row_token=torch.div(order, topk, rounding_mode="floor") if topk else order,
+        expert_counts=counts,
+        host_expert_counts=host_counts,
+        rank_wire_offsets=rank_offsets,
+        segment_offsets=tuple(segments),
+        shared_tokens=shared,
+    )
+    if layout is not None:
+        plan.check_capacity(layout)
+    return plan
+
+
+def new_accumulator(
+    num_tokens: int, hidden_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """A zeroed fp32 ``[T, H]`` accumulator for :func:`combine_scatter`."""
+    return torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
+
+
+def combine_scatter(
+    accumulator: torch.Tensor,
+    plan: DispatchPlan,
+    dest: int,
+    routed_out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared_out: torch.Tensor | None = None,
+) -> None:
+    """Add FFN rank ``dest``'s reply into ``accumulator`` (fp32), weighting each routed row.
+
+    ``routed_out`` holds one row per routed row sent to ``dest``, in wire order;
+    ``shared_out`` one row per shared token assigned to ``dest``.
+    """
+    if accumulator.dtype != torch.float32:
+        raise TypeError(f"the combine accumulator must be float32, got {accumulator.dtype}")
+    if tuple(topk_weights.shape) != (plan.num_tokens, plan.topk):
+        raise ProtocolError(
+            f"topk_weights has shape {tuple(topk_weights.shape)} but the plan was made for "
+            f"[{plan.num_tokens}, {plan.topk}]"
+        )
+    hidden = accumulator.shape[1]
+    expected = plan.routed_rows(dest)
+    if routed_out.dim() != 2 or routed_out.shape[0] != expected or routed_out.shape[1] != hidden:
+        raise ProtocolError(
+            f"reply from FFN rank {dest} has routed rows of shape {tuple(routed_out.shape)}, "
+            f"expected [{expected}, {hidden}]"
+        )
+    segment = plan.segment(dest)
+    if expected:
+        weights = topk_weights.reshape(-1).index_select(0, plan.order[segment]).float()
+        accumulator.index_add_(0, plan.row_token[segment], routed_out.float() * weights[:, None])
+    want_shared = plan.shared_rows(dest)
+    if want_shared:
+        if shared_out is None or tuple(shared_out.shape) != (want_shared, hidden):
+            got = None if shared_out is None else tuple(shared_out.shape)
+            raise ProtocolError(
+                f"reply from FFN rank {dest} has shared rows of shape {got}, expected "
+                f"[{want_shared}, {hidden}]"
+            )
+        accumulator.index_add_(0, plan.shared_tokens[dest], shared_out.float())
+    elif shared_out is not None and shared_out.numel():
+        raise ProtocolError(f"reply from FFN rank {dest} carries shared rows that were not sent")
+
+
+def combine(
+    plan: DispatchPlan,
+    replies: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]],
+    topk_weights: torch.Tensor,
+    hidden_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Combine every destination's ``(routed_out, shared_out)`` reply into ``[T, H]``.
+
+    Every destination in :attr:`DispatchPlan.destinations` must have replied; others may
+    be absent (they received nothing and are not waited on).
+    """
+    missing = [d for d in plan.destinations if d not in replies]
+    if missing:
+        raise ProtocolError(f"no reply from FFN ranks {missing}, which received rows")
+    acc = new_accumulator(plan.num_tokens, hidden_size, topk_weights.device)
+    for dest, (routed_out, shared_out) in sorted(replies.items()):
+        combine_scatter(acc, plan, dest, routed_out, topk_weights, shared_out)
+    return acc.to(dtype)
+
+
+def expert_ids_from_counts(counts: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+    """Expand a group list into one local expert id per row (the FFN side's view).
+
+    Passing ``num_rows`` avoids a device-to-host synchronisation on accelerators.
+    """
+    ids = torch.arange(counts.numel(), device=counts.device)
+    return torch.repeat_interleave(ids, counts.long(), output_size=num_rows)
