@@ -11,11 +11,12 @@ from afd_tools.cli import main
 
 
 def test_roundtrip_passes_and_reports_what_it_checked(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["roundtrip", "--tokens", "64", "--hidden", "32", "--experts", "16"])
+    argv = ["roundtrip", "--tokens", "24", "--hidden", "16", "--experts", "16", "--layers", "2"]
+    code = main(argv)
     out = capsys.readouterr().out
     assert code == 0
-    assert "PASS: combined outputs match the per-token reference" in out
-    assert "validated dispatch/reply header pairs" in out
+    assert "PASS: every combined output matches the per-token reference" in out
+    assert "FFN rank 1: served" in out
 
 
 @pytest.mark.parametrize("shared", ["attention", "ffn"])
@@ -35,9 +36,11 @@ def test_roundtrip_bf16_with_uneven_expert_split(
         "--topk",
         "3",
         "--tokens",
-        "40",
+        "20",
         "--hidden",
         "16",
+        "--layers",
+        "2",
     ]
     assert main(argv) == 0
     assert "PASS" in capsys.readouterr().out
@@ -59,6 +62,8 @@ def test_console_script_help_lists_every_option() -> None:
         check=True,
     )
     for option in (
+        "--layers",
+        "--timeout",
         "--attention-ranks",
         "--ffn-ranks",
         "--experts",
@@ -71,3 +76,31 @@ def test_console_script_help_lists_every_option() -> None:
     ):
         assert option in result.stdout
     assert "default" in result.stdout
+
+
+def test_bench_transport_host_prints_its_tables_and_writes_json(tmp_path) -> None:
+    import json
+
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "transport",
+        "--iterations",
+        "150",
+        "--repeats",
+        "3",
+        "--max-tokens",
+        "256",
+        "--max-bytes",
+        str(64 << 10),
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["backend"] == "host"
+    assert 0 < report["latency_us"]["p50"] < 100_000
+    assert set(report["bandwidth"]) == {str(4 << 10), str(64 << 10)}
+    for point in report["bandwidth"].values():
+        assert all(seconds > 0 for seconds in point.values())
+    assert report["layer"]["256"]["rank0"] > 0

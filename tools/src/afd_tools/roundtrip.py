@@ -1,12 +1,11 @@
-"""``afd roundtrip``: one MoE layer's dispatch and combine through the wire format.
+"""``afd roundtrip``: real processes move MoE layers through the host transport, checked.
 
-Every attention rank routes random tokens, plans its dispatch, and encodes each
-destination's header; every FFN rank decodes and validates that header exactly as a
-receiver would, computes linear experts from the group list alone (it never routes),
-and encodes a reply header that the attention side validates against the dispatch it
-answers. The combined output is compared with an independent per-token reference.
-All in one process: the transport that moves these bytes between processes is the
-next layer up.
+Launches A attention ranks and F FFN ranks as separate processes connected by shared
+memory windows. Every attention rank runs several MoE layers on its own batch size
+(uneven across ranks, so they drift onto different layers), dispatching each layer to the
+FFN ranks that own its tokens' experts; every FFN rank serves whichever work item is
+ready with deterministic linear experts, from the group list alone. Each combined output
+is compared with an independent per-token reference computed on the attention rank.
 """
 
 from __future__ import annotations
@@ -18,27 +17,27 @@ from typing import Any
 import torch
 
 from afd_protocol import (
-    Header,
-    MessageKind,
-    ProtocolError,
+    AttentionEndpoint,
+    ConnectorShutdown,
+    FFNEndpoint,
+    Role,
     SharedPlacement,
     SlotLayout,
     Topology,
-    combine,
-    decode_header,
-    encode_header,
-    expert_ids_from_counts,
-    plan_dispatch,
+    Transport,
+    torch_dtype,
 )
+from afd_protocol.host import launch
+from afd_protocol.host.launcher import RankSpec
+from afd_protocol.testing import LinearExperts, random_routing, relative_error
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "roundtrip",
-        help="dispatch and combine one MoE layer through the wire format and check it",
+        help="run attention and FFN ranks as processes over shared memory and check outputs",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -46,124 +45,111 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ffn-ranks", type=int, default=2, help="FFN ranks (F)")
     p.add_argument("--experts", type=int, default=64, help="routed experts")
     p.add_argument("--topk", type=int, default=6, help="experts per token")
-    p.add_argument("--tokens", type=int, default=512, help="max tokens per attention rank")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size")
+    p.add_argument("--tokens", type=int, default=256, help="largest batch (max_num_batched_tokens)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size")
+    p.add_argument("--layers", type=int, default=6, help="MoE layers per attention rank")
     p.add_argument(
         "--shared",
         choices=[s.value for s in SharedPlacement],
         default="attention",
         help="where shared experts run",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="activations")
+    p.add_argument("--dtype", choices=sorted(TOLERANCE), default="bfloat16", help="activations")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank may wait")
     p.set_defaults(handler=run)
+
+
+def attention_rank(
+    transport: Transport, *, layers: int, tokens: int, seed: int, timeout: float
+) -> dict[str, Any]:
+    slot = transport.window.slot
+    experts = LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
+    dtype = torch_dtype(slot.dtype)
+    endpoint = AttentionEndpoint(transport, timeout=timeout)
+    gen = torch.Generator().manual_seed(seed + 1 + transport.rank)
+    everyone = range(slot.topology.num_experts)
+    worst, rows = 0.0, 0
+    destinations: set[int] = set()
+    start = time.perf_counter()
+    for layer in range(layers):
+        x, ids, w = random_routing(tokens, slot.hidden_size, slot.topk, everyone, gen, dtype)
+        pending = endpoint.dispatch(layer, x, ids, w)
+        out = endpoint.combine(pending)
+        reference = experts.reference(layer, x, ids, w, slot.shared_placement.value == "ffn")
+        worst = max(worst, relative_error(out, reference))
+        rows += tokens * slot.topk
+        destinations.update(pending.expected_ffn)
+    elapsed = time.perf_counter() - start
+    endpoint.announce_shutdown()
+    return {"worst": worst, "partials": rows, "ffn": sorted(destinations), "seconds": elapsed}
+
+
+def ffn_rank(transport: Transport, *, layers: int, seed: int, timeout: float) -> dict[str, Any]:
+    slot = transport.window.slot
+    experts = LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
+    endpoint = FFNEndpoint(transport, timeout=timeout)
+    items = 0
+    replicas: set[int] = set()
+    while True:
+        try:
+            item = endpoint.next_work_item()
+        except ConnectorShutdown:
+            return {"items": items, "replicas": sorted(replicas)}
+        experts.serve(endpoint, item)
+        items += 1
+        replicas.add(item.replica)
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(args.seed)
-    dtype = DTYPES[args.dtype]
     topo = Topology(args.attention_ranks, args.ffn_ranks, args.experts)
-    layout = SlotLayout(
+    slot = SlotLayout(
         topo, args.hidden, args.tokens, args.topk, dtype=args.dtype, shared_placement=args.shared
     )
-    window = layout.window(ring_depth=1)
-    scale = args.hidden**-0.5
-    expert_w = torch.randn(args.experts, args.hidden, args.hidden, generator=gen) * scale
-    shared_w = torch.randn(args.hidden, args.hidden, generator=gen) * scale
-
+    window = slot.window(ring_depth=1)
     print(
-        f"afd roundtrip: {args.attention_ranks} attention x {args.ffn_ranks} FFN ranks, "
-        f"{args.experts} experts top-{args.topk}, hidden {args.hidden} {args.dtype}, "
-        f"shared experts on {args.shared}"
+        f"afd roundtrip: {args.attention_ranks} attention x {args.ffn_ranks} FFN processes over "
+        f"shared memory; {args.experts} experts top-{args.topk}, hidden {args.hidden} "
+        f"{args.dtype}, shared experts on {args.shared}, {args.layers} layers"
     )
     print(
-        f"  window {window.total_bytes / 2**20:.1f} MiB per rank, slot {layout.slot_bytes} B, "
-        f"routed_cap {layout.routed_cap}, digest {window.digest()}"
+        f"  window {window.total_bytes / 2**20:.1f} MiB per rank, routed_cap {slot.routed_cap} "
+        f"rows, geometry digest {window.digest()}"
     )
-
-    worst = 0.0
-    checked_rows = 0
-    seq = 0
-    for rank in range(args.attention_ranks):
-        # Uneven batch sizes per rank, as real replicas have.
-        num_tokens = max(1, args.tokens * (rank + 1) // args.attention_ranks)
-        x = torch.randn(num_tokens, args.hidden, generator=gen).to(dtype)
-        logits = torch.randn(num_tokens, args.experts, generator=gen)
-        weights, ids = torch.softmax(logits, dim=-1).topk(args.topk, dim=-1)
-        plan = plan_dispatch(ids, topo, shared_placement=args.shared, layout=layout)
-
-        replies = {}
-        for dest in plan.destinations:
-            seq += 1
-            counts = plan.host_group_list(dest)
-            sent = Header(
-                MessageKind.DISPATCH,
-                rank,
-                0,
-                0,
-                num_tokens,
-                plan.routed_rows(dest),
-                plan.shared_rows(dest),
-                seq=seq,
-                expert_counts=counts,
-            )
-            # FFN side: everything it knows comes from the validated header.
-            got = decode_header(
-                encode_header(sent), layout.header_limits(MessageKind.DISPATCH, dest)
-            )
-            group_list = torch.tensor(got.expert_counts)
-            local = expert_ids_from_counts(group_list, got.routed_rows)
-            experts = torch.tensor(topo.local_experts(dest))[local]
-            rows = plan.gather(x, dest).float()
-            routed = torch.bmm(rows.unsqueeze(1), expert_w[experts]).squeeze(1).to(dtype)
-            shared = None
-            if got.shared_rows:
-                shared = (plan.gather_shared(x, dest).float() @ shared_w).to(dtype)
-            reply = Header(
-                MessageKind.REPLY,
-                dest,
-                got.layer,
-                got.stage,
-                got.num_tokens,
-                got.routed_rows,
-                got.shared_rows,
-                seq=got.seq,
-                answer_seq=got.seq,
-                expert_counts=got.expert_counts,
-            )
-            back = decode_header(
-                encode_header(reply), layout.header_limits(MessageKind.REPLY, dest)
-            )
-            if back.answer_seq != sent.seq or back.expert_counts != sent.expert_counts:
-                raise ProtocolError(f"reply from FFN rank {dest} does not answer seq {sent.seq}")
-            replies[dest] = (routed, shared)
-            checked_rows += got.routed_rows
-
-        out = combine(plan, replies, weights, args.hidden, dtype)
-        reference = torch.zeros(num_tokens, args.hidden, dtype=torch.float64)
-        xd = x.double()
-        for t in range(num_tokens):
-            for j in range(args.topk):
-                reference[t] += float(weights[t, j]) * (xd[t] @ expert_w[int(ids[t, j])].double())
-            if args.shared == "ffn":
-                reference[t] += xd[t] @ shared_w.double()
-        err = float((out.double() - reference).norm() / reference.norm().clamp_min(1e-30))
-        worst = max(worst, err)
-        print(
-            f"  attention rank {rank}: {num_tokens:5d} tokens -> FFN ranks "
-            f"{list(plan.destinations)}, {plan.num_tokens * args.topk} partials routed once, "
-            f"relative error {err:.2e}"
+    common = {"layers": args.layers, "seed": args.seed, "timeout": args.timeout}
+    specs = [
+        RankSpec(
+            Role.ATTENTION,
+            r,
+            attention_rank,
+            {**common, "tokens": max(1, args.tokens * (r + 1) // args.attention_ranks)},
         )
-
-    ok = worst <= TOLERANCE[args.dtype]
+        for r in range(args.attention_ranks)
+    ]
+    specs += [RankSpec(Role.FFN, r, ffn_rank, common) for r in range(args.ffn_ranks)]
+    results = launch(window, specs, timeout=args.timeout * 4)
+    worst = 0.0
+    for r in range(args.attention_ranks):
+        value = results[f"attention rank {r}"].value
+        worst = max(worst, value["worst"])
+        tokens = max(1, args.tokens * (r + 1) // args.attention_ranks)
+        print(
+            f"  attention rank {r}: {tokens:5d} tokens x {args.layers} layers, "
+            f"{value['partials']} partials to FFN ranks {value['ffn']}, "
+            f"worst relative error {value['worst']:.2e} ({value['seconds']:.2f} s)"
+        )
+    for r in range(args.ffn_ranks):
+        value = results[f"ffn rank {r}"].value
+        print(
+            f"  FFN rank {r}: served {value['items']} work items from replicas "
+            f"{value['replicas']}, then every attention rank announced shutdown"
+        )
+    tolerance = TOLERANCE[args.dtype]
+    ok = worst <= tolerance
+    verdict = "matches" if ok else "does NOT match"
     print(
-        f"  {checked_rows} routed rows through {seq} validated dispatch/reply header pairs; "
-        f"worst relative error {worst:.2e} (tolerance {TOLERANCE[args.dtype]:.0e})"
-    )
-    print(
-        f"{'PASS' if ok else 'FAIL'}: combined outputs "
-        f"{'match' if ok else 'DO NOT match'} the per-token reference "
-        f"({time.perf_counter() - start:.1f} s)"
+        f"{'PASS' if ok else 'FAIL'}: every combined output {verdict} the per-token reference "
+        f"(worst {worst:.2e}, tolerance {tolerance:.0e}); {time.perf_counter() - start:.1f} s"
     )
     return 0 if ok else 1

@@ -9,12 +9,16 @@ transport can build on it:
 * :func:`encode_header` / :func:`decode_header` -- the in-band metadata of every slot.
 * :func:`plan_dispatch` / :func:`combine_scatter` / :func:`combine` -- routing partials
   to FFN ranks with one stable sort, and the fp32 weighted combine of their replies.
+* :class:`Transport` -- the interface a backend implements; :class:`AttentionEndpoint`
+  and :class:`FFNEndpoint` -- dispatch/combine and work-item intake/reply over it.
+* :mod:`afd_protocol.host` -- the host shared-memory transport and a process launcher.
 * :class:`WorkItem`, :class:`PendingDispatch` -- the work-item contract's types.
 * The error hierarchy rooted at :class:`AFDError`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from afd_protocol.attention_endpoint import AttentionEndpoint
 from afd_protocol.errors import (
     AFDError,
     CapacityError,
@@ -24,6 +28,7 @@ from afd_protocol.errors import (
     ProtocolError,
     TopologyError,
 )
+from afd_protocol.ffn_endpoint import FFNEndpoint
 from afd_protocol.header import (
     FLAG_ABORT,
     FLAG_SHUTDOWN,
@@ -46,6 +51,7 @@ from afd_protocol.layout import (
     WindowLayout,
     check_same_geometry,
 )
+from afd_protocol.loopback import LoopbackTransport, LoopbackWorld
 from afd_protocol.plan import (
     DispatchPlan,
     combine,
@@ -55,6 +61,8 @@ from afd_protocol.plan import (
     plan_dispatch,
 )
 from afd_protocol.topology import ExpertPlacement, Role, Topology
+from afd_protocol.transport import Transport
+from afd_protocol.views import SlotView, abort_words, flag_words, slot_view, torch_dtype
 from afd_protocol.workitem import PendingDispatch, WorkItem, WorkItemKey, WorkItemPart
 
 try:
@@ -70,13 +78,17 @@ __all__ = [
     "MAGIC",
     "PROTOCOL_VERSION",
     "AFDError",
+    "AttentionEndpoint",
     "CapacityError",
     "ConnectorShutdown",
     "DispatchPlan",
     "ExpertPlacement",
+    "FFNEndpoint",
     "FieldSpec",
     "Header",
     "HeaderLimits",
+    "LoopbackTransport",
+    "LoopbackWorld",
     "MessageKind",
     "PeerAborted",
     "PeerTimeout",
@@ -85,14 +97,17 @@ __all__ = [
     "Role",
     "SharedPlacement",
     "SlotLayout",
+    "SlotView",
     "Topology",
     "TopologyError",
+    "Transport",
     "WindowLayout",
     "Word",
     "WorkItem",
     "WorkItemKey",
     "WorkItemPart",
     "__version__",
+    "abort_words",
     "check_same_geometry",
     "combine",
     "combine_scatter",
@@ -100,6 +115,9 @@ __all__ = [
     "encode_header",
     "encode_words",
     "expert_ids_from_counts",
+    "flag_words",
     "new_accumulator",
     "plan_dispatch",
+    "slot_view",
+    "torch_dtype",
 ]

@@ -216,7 +216,8 @@ def combine_scatter(
     segment = plan.segment(dest)
     if expected:
         weights = topk_weights.reshape(-1).index_select(0, plan.order[segment]).float()
-        accumulator.index_add_(0, plan.row_token[segment], routed_out.float() * weights[:, None])
+        weighted = routed_out.to(torch.float32, copy=True).mul_(weights[:, None])
+        accumulator.index_add_(0, plan.row_token[segment], weighted)
     want_shared = plan.shared_rows(dest)
     if want_shared:
         if shared_out is None or tuple(shared_out.shape) != (want_shared, hidden):

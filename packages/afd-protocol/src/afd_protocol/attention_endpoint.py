@@ -1,0 +1,246 @@
+"""The attention side of a layer: dispatch tokens to FFN ranks, then combine the replies.
+
+Written once against :class:`~afd_protocol.transport.Transport`, so every backend shares
+it. ``dispatch`` returns as soon as the writes are issued; several layers or stages may
+be in flight, one per ring slot. ``combine`` waits only for the FFN ranks that received
+rows (with one attention rank per DP replica; with several, every participant publishes
+to every FFN rank so that readiness is decidable, and waits for all of them).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from afd_protocol.endpoint_base import EndpointBase
+from afd_protocol.errors import (
+    AFDError,
+    ConnectorShutdown,
+    PeerTimeout,
+    ProtocolError,
+    TopologyError,
+)
+from afd_protocol.header import Header, MessageKind, decode_header
+from afd_protocol.plan import combine_scatter, new_accumulator, plan_dispatch
+from afd_protocol.topology import Role
+from afd_protocol.transport import Transport
+from afd_protocol.views import SlotView, flag_words, slot_view
+from afd_protocol.workitem import PendingDispatch
+
+
+class AttentionEndpoint(EndpointBase):
+    """Dispatch/combine for one attention rank (see the module docstring)."""
+
+    role = Role.ATTENTION
+
+    def __init__(
+        self, transport: Transport, *, timeout: float = 30.0, num_layers: int | None = None
+    ) -> None:
+        super().__init__(transport, timeout)
+        self._num_layers = num_layers
+        ring_depth = self._window.ring_depth
+        local = transport.local_window()
+        ffn_ranks = range(self._topology.num_ffn_ranks)
+        rings = range(ring_depth)
+        self._send: list[list[SlotView]] = [
+            [slot_view(transport.peer_window(d), self._window, self._rank, r) for r in rings]
+            for d in ffn_ranks
+        ]
+        self._replies: list[list[SlotView]] = [
+            [slot_view(local, self._window, d, r) for r in rings] for d in ffn_ranks
+        ]
+        self._flags = flag_words(local, self._window)
+        self._reply_seen: dict[tuple[int, int], int] = {}
+        self._free_rings = list(range(ring_depth))
+        self._in_flight: dict[int, PendingDispatch] = {}
+        self._publish_to_all = self._topology.attn_ranks_per_dp > 1
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def dispatch(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        stage: int = 0,
+    ) -> PendingDispatch:
+        """Write this layer's routed rows into the FFN ranks' windows and publish them.
+
+        Raises :class:`CapacityError` (nothing written) if the batch does not fit, and
+        :class:`TopologyError` if every ring slot already holds an un-combined dispatch.
+        """
+        if self._shutdown_announced:
+            raise ConnectorShutdown("dispatch after announce_shutdown()")
+        hidden = self._slot.hidden_size
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
+            raise TopologyError(
+                f"hidden_states must be [num_tokens, {hidden}], got {tuple(hidden_states.shape)}"
+            )
+        if hidden_states.dtype != self.dtype:
+            raise TopologyError(
+                f"hidden_states are {hidden_states.dtype} but the window carries {self.dtype}; "
+                f"cast them or configure dtype={str(hidden_states.dtype).removeprefix('torch.')}"
+            )
+        if (
+            tuple(topk_weights.shape) != tuple(topk_ids.shape)
+            or topk_ids.shape[:1] != hidden_states.shape[:1]
+        ):
+            raise TopologyError(
+                f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)} and "
+                f"hidden_states {tuple(hidden_states.shape)} must agree on [num_tokens, topk]"
+            )
+        if layer_idx < 0 or stage < 0:
+            raise TopologyError(f"layer_idx and stage must be >= 0, got {layer_idx}, {stage}")
+        plan = plan_dispatch(topk_ids, self._topology, self._slot.shared_placement, self._slot)
+        if not self._free_rings:
+            raise TopologyError(
+                f"ring exhausted: {len(self._in_flight)} dispatches are in flight and ring_depth "
+                f"is {self._window.ring_depth}; combine one first, or size ring_depth to the "
+                f"number of stages in flight"
+            )
+        ring = self._free_rings.pop(0)
+        destinations = (
+            range(self._topology.num_ffn_ranks) if self._publish_to_all else plan.destinations
+        )
+        pending = PendingDispatch(
+            layer=layer_idx,
+            stage=stage,
+            ring=ring,
+            plan=plan,
+            topk_weights=topk_weights,
+            dtype=hidden_states.dtype,
+            hidden_size=hidden,
+            issued_at=time.monotonic(),
+        )
+        for dest in destinations:
+            view = self._send[dest][ring]
+            rows, shared = plan.routed_rows(dest), plan.shared_rows(dest)
+            if rows:
+                tokens = plan.tokens_for(dest)
+                torch.index_select(hidden_states, 0, tokens, out=view.routed_rows[:rows])
+                view.route_index[:rows].copy_(tokens)
+            if shared:
+                torch.index_select(
+                    hidden_states, 0, plan.shared_tokens[dest], out=view.shared_rows[:shared]
+                )
+            header = Header(
+                MessageKind.DISPATCH,
+                src_rank=self._rank,
+                layer=layer_idx,
+                stage=stage,
+                num_tokens=plan.num_tokens,
+                routed_rows=rows,
+                shared_rows=shared,
+                seq=self._next_seq(),
+                expert_counts=plan.host_group_list(dest),
+            )
+            self._write_and_publish(view, header, dest, ring)
+            pending.expected_ffn[dest] = header.seq
+        self._in_flight[ring] = pending
+        return pending
+
+    def combine(self, pending: PendingDispatch, timeout: float | None = None) -> torch.Tensor:
+        """Wait for the replies of ``pending`` and return the weighted sum ``[T, H]``.
+
+        Accumulates in fp32 in FFN-rank order (deterministic) and returns the input dtype.
+        """
+        if self._in_flight.get(pending.ring) is not pending:
+            raise ProtocolError(
+                f"layer {pending.layer} stage {pending.stage} is not in flight on this endpoint "
+                f"(already combined, or dispatched elsewhere)"
+            )
+        limit = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        waiting = dict(pending.expected_ffn)
+        arrived: dict[int, Header] = {}
+        ring = pending.ring
+        while waiting:
+            dests = sorted(waiting)
+            indices = [self._window.flag_index(d, ring) for d in dests]
+            last = [self._reply_seen.get((d, ring), 0) for d in dests]
+            try:
+                values = self._transport.wait_any(
+                    indices, last, max(0.0, deadline - time.monotonic()), peers=dests
+                )
+            except PeerTimeout:
+                raise PeerTimeout(
+                    f"attention rank {self._rank}: FFN ranks {dests} did not reply to layer "
+                    f"{pending.layer} stage {pending.stage} within {limit:g} s; they may be dead "
+                    f"or overloaded (raise the timeout if they are merely slow)"
+                ) from None
+            for dest, value, old in zip(dests, values, last, strict=True):
+                if value == old:
+                    continue
+                self._reply_seen[(dest, ring)] = value
+                arrived[dest] = self._check_reply(dest, ring, value, waiting[dest], pending)
+                del waiting[dest]
+        accumulator = new_accumulator(
+            pending.plan.num_tokens, pending.hidden_size, self._transport.device
+        )
+        for dest in sorted(arrived):
+            header = arrived[dest]
+            view = self._replies[dest][ring]
+            shared = view.shared_rows[: header.shared_rows] if header.shared_rows else None
+            combine_scatter(
+                accumulator,
+                pending.plan,
+                dest,
+                view.routed_rows[: header.routed_rows],
+                pending.topk_weights,
+                shared,
+            )
+        del self._in_flight[ring]
+        self._free_rings.append(ring)
+        self._free_rings.sort()
+        return accumulator.to(pending.dtype)
+
+    def _check_reply(
+        self, dest: int, ring: int, flag: int, answers: int, pending: PendingDispatch
+    ) -> Header:
+        limits = self._slot.header_limits(MessageKind.REPLY, dest, num_layers=self._num_layers)
+        try:
+            header = decode_header(self._replies[dest][ring].header, limits)
+        except ProtocolError as exc:
+            raise ProtocolError(f"reply from FFN rank {dest} (ring {ring}): {exc}") from None
+        if header.shutdown:
+            raise ConnectorShutdown(
+                f"FFN rank {dest} shut down while layer {pending.layer} stage {pending.stage} "
+                f"was in flight"
+            )
+        problems = []
+        if header.kind is not MessageKind.REPLY:
+            problems.append(f"KIND={header.kind.name}")
+        if header.src_rank != dest:
+            problems.append(f"SRC_RANK={header.src_rank}")
+        if header.seq != flag:
+            problems.append(f"SEQ={header.seq} but the flag says {flag}")
+        if header.answer_seq != answers:
+            problems.append(f"ANSWER_SEQ={header.answer_seq} but this dispatch was seq {answers}")
+        if header.expert_counts != pending.plan.host_group_list(dest):
+            problems.append("EXPERT_COUNTS differ from what was sent")
+        if header.shared_rows != pending.plan.shared_rows(dest):
+            problems.append(f"SHARED_ROWS={header.shared_rows}")
+        if problems:
+            raise ProtocolError(
+                f"stale or misdirected reply from FFN rank {dest} (ring {ring}, layer "
+                f"{pending.layer}): {'; '.join(problems)}"
+            )
+        return header
+
+    def announce_shutdown(self) -> None:
+        """Tell every FFN rank that this attention rank sends no more work."""
+        if self._shutdown_announced:
+            return
+        if self._in_flight:
+            raise AFDError(
+                f"announce_shutdown() with {len(self._in_flight)} dispatches in flight; combine "
+                f"them first"
+            )
+        for dest in range(self._topology.num_ffn_ranks):
+            header = self._shutdown_header(MessageKind.DISPATCH, dest)
+            self._write_and_publish(self._send[dest][0], header, dest, 0)
+        self._shutdown_announced = True

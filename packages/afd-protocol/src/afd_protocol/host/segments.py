@@ -1,0 +1,116 @@
+"""POSIX shared-memory segments for host windows: private, randomly named, never leaked.
+
+A segment is a file in ``/dev/shm`` created with ``O_EXCL`` and mode 0600 (only this
+user can open it), under a random name, and mapped ``MAP_SHARED`` through
+``torch.from_file``, so the mapping lives exactly as long as the tensors over it.
+
+Leak freedom rests on one rule: the creator unlinks the name as soon as every peer has
+mapped the segment (the rendezvous tells it when). From then on the memory is owned by
+the mappings alone and the kernel frees it when the last process holding one exits, by
+``close()``, by an exception or by SIGKILL. The short window between create and unlink
+is covered by :func:`remove_segments` (the launcher calls it at teardown) and by
+``close()`` on every failure path.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import stat
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from afd_protocol.errors import AFDError
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "afd-"
+
+
+def check_platform() -> None:
+    """Refuse to run where the host transport's memory-ordering argument does not hold."""
+    machine = platform.machine().lower()
+    if sys.platform != "linux" or machine not in ("x86_64", "amd64"):
+        raise AFDError(
+            f"the host transport needs Linux on x86-64 (whose total store order makes a "
+            f"visible flag imply a complete payload); this is {sys.platform}/{machine}. Use a "
+            f"device transport here, or run the host transport on an x86-64 Linux machine"
+        )
+    if not SHM_DIR.is_dir():
+        raise AFDError(f"{SHM_DIR} is missing; the host transport needs POSIX shared memory")
+
+
+class SharedSegment:
+    """One shared-memory file and this process's mapping of it."""
+
+    def __init__(self, path: Path, size: int, tensor: torch.Tensor, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self.tensor: torch.Tensor | None = tensor
+        self.owner = owner
+
+    @classmethod
+    def create(cls, size: int, tag: str) -> SharedSegment:
+        path = SHM_DIR / f"{PREFIX}{tag}-{secrets.token_hex(8)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise AFDError(f"cannot size shared memory {path} to {size} bytes: {exc}") from exc
+        os.close(fd)
+        try:
+            tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return cls(path, size, tensor, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path, size: int) -> SharedSegment:
+        """Map a peer's segment; it must exist, be ours, private, and large enough."""
+        if path.parent != SHM_DIR or not path.name.startswith(PREFIX):
+            raise AFDError(f"refusing to map {path}: not an afd shared-memory segment")
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            raise AFDError(
+                f"shared memory {path} vanished before it was mapped; its owner exited or "
+                f"unlinked it early"
+            ) from None
+        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+            raise AFDError(f"refusing to map {path}: it is not private to this user (mode 0600)")
+        if info.st_size < size:
+            raise AFDError(f"shared memory {path} has {info.st_size} bytes, expected {size}")
+        tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        return cls(path, size, tensor, owner=False)
+
+    def unlink(self) -> None:
+        """Remove the name (owner only); existing mappings stay valid. Idempotent."""
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Drop this process's mapping (freed once no tensor view refers to it)."""
+        self.unlink()
+        self.tensor = None
+
+
+def remove_segments(paths: Iterable[str | Path]) -> list[Path]:
+    """Unlink afd segments that still exist (a teardown guard); returns what was removed."""
+    removed = []
+    for raw in paths:
+        path = Path(raw)
+        if path.parent == SHM_DIR and path.name.startswith(PREFIX) and path.exists():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def leftover_segments() -> list[Path]:
+    """afd segments currently present in /dev/shm (for tests and diagnostics)."""
+    return sorted(SHM_DIR.glob(f"{PREFIX}*")) if SHM_DIR.is_dir() else []

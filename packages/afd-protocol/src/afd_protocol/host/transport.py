@@ -1,0 +1,233 @@
+"""The host transport: AFD windows in POSIX shared memory between processes on one machine.
+
+It is the embedded default (CPU), the reference the GPU and CAM transports are checked
+against, and what CI exercises end to end.
+
+Memory ordering -- why a visible flag implies a complete payload
+----------------------------------------------------------------
+A sender writes its payload into the peer's window (torch ``copy_``/``index_select``
+into a shared mapping) and *afterwards*, in program order, stores the flag word with a
+single aligned 4-byte store. On x86-64, stores become visible to other cores in program
+order (total store order). The two exceptions do not apply here: non-temporal stores,
+which glibc's ``memcpy`` uses for large copies, are followed by an ``sfence`` inside
+glibc; and stores made by torch's intra-op worker threads are ordered before the flag
+store by the thread-pool join (a synchronising atomic) that the copy returns through.
+A receiver loads the flag first and the payload after, and x86-64 never reorders two
+loads. So a receiver that sees the new flag sees the whole payload. Weakly ordered
+machines (ARM, POWER) need explicit fences that Python cannot issue portably, so the
+transport refuses to start there (see :func:`~afd_protocol.host.segments.check_platform`).
+
+Liveness
+--------
+Every wait has a timeout, checks the abort words of the peers it waits for, and checks
+every ``liveness_interval`` seconds that those peers' processes still exist (pid and
+start time from the rendezvous), so a SIGKILLed peer is reported as
+:class:`PeerAborted` within that interval rather than after the full timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from afd_protocol.errors import PeerAborted, PeerTimeout, TopologyError
+from afd_protocol.host.rendezvous import DirectoryRendezvous, process_alive, process_start_time
+from afd_protocol.host.segments import SharedSegment, check_platform
+from afd_protocol.layout import WindowLayout, check_same_geometry
+from afd_protocol.topology import Role
+from afd_protocol.transport import Transport
+from afd_protocol.views import abort_words, flag_words
+
+SPIN_POLLS = 200
+"""Busy polls before a waiter starts sleeping, when every rank has a core of its own."""
+OVERSUBSCRIBED_SPIN_POLLS = 4
+"""Busy polls when ranks outnumber cores: spinning would steal the CPU from the rank
+that is computing what we wait for, so back off almost at once."""
+MIN_SLEEP = 0.00002
+MAX_SLEEP = 0.0005
+"""Sleeps between polls grow from MIN_SLEEP to MAX_SLEEP (bounds a wake-up's latency)."""
+
+
+class HostTransport(Transport):
+    """Shared-memory windows for one rank; see the module docstring."""
+
+    def __init__(
+        self,
+        window: WindowLayout,
+        role: Role | str,
+        rank: int,
+        rendezvous: str | Path,
+        *,
+        connect_timeout: float = 60.0,
+        liveness_interval: float = 0.05,
+    ) -> None:
+        check_platform()
+        super().__init__(window, Role(role), rank)
+        self._closed = False
+        self._aborted = False
+        self._segment: SharedSegment | None = None
+        self._peer_segments: list[SharedSegment] = []
+        self._liveness_interval = liveness_interval
+        cores = len(os.sched_getaffinity(0))
+        oversubscribed = window.slot.topology.world_size > cores
+        self._spin_polls = OVERSUBSCRIBED_SPIN_POLLS if oversubscribed else SPIN_POLLS
+        topo = self.topology
+        me = topo.world_rank(self.role, rank)
+        self._name = f"{self.role.value} rank {rank}"
+        rdv = DirectoryRendezvous(rendezvous)
+        self._rendezvous = rdv
+        peer_role = self.role.opposite
+        peers = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
+        try:
+            self._segment = SharedSegment.create(window.total_bytes, tag=f"w{me}")
+            rdv.publish(
+                f"rank-{me}",
+                {
+                    "who": self._name,
+                    "pid": os.getpid(),
+                    "start_time": process_start_time(os.getpid()),
+                    "segment": str(self._segment.path),
+                    "geometry": window.describe(),
+                },
+            )
+            infos = rdv.wait_for(
+                [f"rank-{w}" for w in peers],
+                [f"failed-{w}" for w in peers],
+                connect_timeout,
+                f"{self._name} waiting for its {peer_role.value} peers",
+            )
+            self._peer_pids: list[tuple[int, int]] = []
+            for r, w in enumerate(peers):
+                info = infos[f"rank-{w}"]
+                check_same_geometry(
+                    window.describe(), info["geometry"], peer=f"{peer_role.value} rank {r}"
+                )
+                self._peer_segments.append(
+                    SharedSegment.attach(Path(info["segment"]), window.total_bytes)
+                )
+                self._peer_pids.append((int(info["pid"]), int(info["start_time"])))
+            rdv.publish(f"attached-{me}", {"who": self._name})
+            rdv.wait_for(
+                [f"attached-{w}" for w in peers],
+                [f"failed-{w}" for w in peers],
+                connect_timeout,
+                f"{self._name} waiting for its peers to map its window",
+            )
+            # Every peer has mapped our window: drop the name so nothing can leak.
+            self._segment.unlink()
+        except BaseException as exc:
+            rdv.publish(f"failed-{me}", {"who": self._name, "reason": str(exc)})
+            self.close()
+            raise
+        local = self._segment.tensor
+        assert local is not None
+        self._local = local
+        self._flags = flag_words(local, window)
+        self._aborts = abort_words(local, window)
+        self._peer_windows = [s.tensor for s in self._peer_segments]
+        self._peer_flags = [flag_words(t, window) for t in self._peer_windows if t is not None]
+        self._peer_aborts = [abort_words(t, window) for t in self._peer_windows if t is not None]
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def local_window(self) -> torch.Tensor:
+        self._check_open()
+        return self._local
+
+    def peer_window(self, peer: int) -> torch.Tensor:
+        self._check_open()
+        window = self._peer_windows[self._check_peer(peer)]
+        assert window is not None
+        return window
+
+    def publish(self, peer: int, flag_index: int, value: int) -> None:
+        # One aligned int32 element store, after the payload in program order (see above).
+        self._check_open()
+        self._peer_flags[self._check_peer(peer)][flag_index] = value
+
+    def wait_any(
+        self,
+        flag_indices: Sequence[int],
+        last_seen: Sequence[int],
+        timeout: float,
+        peers: Sequence[int],
+    ) -> list[int]:
+        self._check_open()
+        key = tuple(flag_indices)
+        index = self._index_cache.get(key)
+        if index is None:
+            index = self._index_cache[key] = torch.tensor(key, dtype=torch.long)
+        last = torch.tensor(list(last_seen), dtype=torch.int32)
+        watched = list(peers)
+        peer_index = torch.tensor(watched, dtype=torch.long)
+        start = time.monotonic()
+        deadline = start + timeout
+        next_liveness = start + self._liveness_interval
+        polls = 0
+        sleep = MIN_SLEEP
+        while True:
+            current = self._flags.index_select(0, index)
+            if not torch.equal(current, last):
+                return [int(v) for v in current.tolist()]
+            if watched and bool(self._aborts.index_select(0, peer_index).any()):
+                bad = [p for p in watched if int(self._aborts[p]) != 0]
+                raise PeerAborted(
+                    f"{self._name}: {self.role.opposite.value} rank(s) {bad} aborted (see their "
+                    f"own error for the cause)"
+                )
+            now = time.monotonic()
+            if now >= next_liveness:
+                self._check_peers_alive(watched)
+                next_liveness = now + self._liveness_interval
+            if now >= deadline:
+                raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
+            polls += 1
+            if polls > self._spin_polls:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, MAX_SLEEP)
+
+    def _check_peers_alive(self, peers: Sequence[int]) -> None:
+        dead = [p for p in peers if not process_alive(*self._peer_pids[p])]
+        if dead:
+            pids = [self._peer_pids[p][0] for p in dead]
+            raise PeerAborted(
+                f"{self._name}: {self.role.opposite.value} rank(s) {dead} (pid {pids}) exited"
+            )
+
+    def abort(self) -> None:
+        """Set this rank's abort word in every peer window (best effort, idempotent)."""
+        if self._closed or self._aborted:
+            return
+        self._aborted = True
+        for aborts in getattr(self, "_peer_aborts", []):
+            aborts[self.rank] = 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._segment is not None:
+            self._segment.close()
+        for segment in self._peer_segments:
+            segment.close()
+        for name in ("_local", "_flags", "_aborts", "_peer_windows", "_peer_flags", "_peer_aborts"):
+            self.__dict__.pop(name, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TopologyError(f"{self._name}: the host transport is closed")
+
+    def _check_peer(self, peer: int) -> int:
+        if not 0 <= peer < self.num_peers:
+            raise TopologyError(
+                f"{self._name}: peer {peer} is outside [0, {self.num_peers}) "
+                f"{self.role.opposite.value} ranks"
+            )
+        return peer

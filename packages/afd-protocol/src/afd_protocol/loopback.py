@@ -1,0 +1,89 @@
+"""An in-process transport: every rank's window in one process, for tests and examples.
+
+All windows are ordinary CPU tensors owned by one :class:`LoopbackWorld`; a
+:class:`LoopbackTransport` per rank exposes them through the same interface as the real
+transports, so endpoint logic (fairness, rings, stale replies, shutdown) can be driven
+step by step from a single thread, deterministically, with no processes. Waits poll
+until the timeout; from a single thread a wait for something not yet published times
+out, which is exactly what such a test wants to observe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from afd_protocol.errors import PeerAborted, PeerTimeout
+from afd_protocol.layout import WindowLayout
+from afd_protocol.topology import Role
+from afd_protocol.transport import Transport
+from afd_protocol.views import abort_words, flag_words
+
+
+class LoopbackWorld:
+    """The windows of every rank of one topology, in this process."""
+
+    def __init__(self, window: WindowLayout) -> None:
+        self.window = window
+        topo = window.slot.topology
+        self.windows = {
+            (role, r): torch.zeros(window.total_bytes, dtype=torch.uint8)
+            for role in Role
+            for r in range(topo.num_role_ranks(role))
+        }
+
+    def transport(self, role: Role | str, rank: int) -> LoopbackTransport:
+        return LoopbackTransport(self, Role(role), rank)
+
+
+class LoopbackTransport(Transport):
+    """One rank's view of a :class:`LoopbackWorld`."""
+
+    def __init__(self, world: LoopbackWorld, role: Role, rank: int) -> None:
+        super().__init__(world.window, role, rank)
+        self._world = world
+        self._local = world.windows[(role, rank)]
+        self._flags = flag_words(self._local, self.window)
+        self._aborts = abort_words(self._local, self.window)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def local_window(self) -> torch.Tensor:
+        return self._local
+
+    def peer_window(self, peer: int) -> torch.Tensor:
+        self.topology.world_rank(self.role.opposite, peer)  # validates the peer
+        return self._world.windows[(self.role.opposite, peer)]
+
+    def publish(self, peer: int, flag_index: int, value: int) -> None:
+        flag_words(self.peer_window(peer), self.window)[flag_index] = value
+
+    def wait_any(
+        self,
+        flag_indices: Sequence[int],
+        last_seen: Sequence[int],
+        timeout: float,
+        peers: Sequence[int],
+    ) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while True:
+            current = [int(self._flags[i]) for i in flag_indices]
+            if current != list(last_seen):
+                return current
+            aborted = [p for p in peers if int(self._aborts[p]) != 0]
+            if aborted:
+                raise PeerAborted(f"{self.role.opposite.value} rank(s) {aborted} aborted")
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(f"nothing arrived within {timeout:g} s")
+            time.sleep(0.0001)
+
+    def abort(self) -> None:
+        for peer in range(self.num_peers):
+            abort_words(self.peer_window(peer), self.window)[self.rank] = 1
+
+    def close(self) -> None:
+        """Nothing to release: the world owns the windows."""

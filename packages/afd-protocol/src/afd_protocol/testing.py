@@ -1,0 +1,101 @@
+"""Deterministic linear experts and an independent per-token reference.
+
+For checking any transport end to end -- the test suites, ``afd roundtrip``, and the
+bring-up of a new backend. Expert ``e`` of layer ``l`` maps a row ``x`` to
+``x @ W[l, e]`` and the shared expert to ``x @ S[l]``, with weights drawn from a seed, so
+every rank of either role builds identical experts without exchanging them. The FFN
+side computes from the work item's group list alone (it never routes); the reference
+loops over tokens and their selected experts one by one, sharing no code with the
+dispatch plan or the combine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from afd_protocol.ffn_endpoint import FFNEndpoint
+from afd_protocol.plan import expert_ids_from_counts
+from afd_protocol.workitem import WorkItem
+
+
+class LinearExperts:
+    """``num_layers`` x ``num_experts`` linear experts plus one shared expert per layer."""
+
+    def __init__(self, num_layers: int, num_experts: int, hidden_size: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        scale = hidden_size**-0.5
+        self.routed = torch.randn(num_layers, num_experts, hidden_size, hidden_size, generator=gen)
+        self.routed *= scale
+        self.shared = torch.randn(num_layers, hidden_size, hidden_size, generator=gen) * scale
+
+    def outputs(
+        self, item: WorkItem, local_experts: Sequence[int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FFN rank's reply to ``item``: routed rows by group list, shared rows."""
+        table = torch.tensor(list(local_experts), dtype=torch.long)
+        routed, shared = [], []
+        for part in item.parts:
+            ids = table[expert_ids_from_counts(part.group_list, part.header.routed_rows)]
+            rows = part.routed_rows.float()
+            routed.append(torch.bmm(rows.unsqueeze(1), self.routed[item.layer][ids]).squeeze(1))
+            shared.append(part.shared_rows.float() @ self.shared[item.layer])
+        return torch.cat(routed).to(dtype), torch.cat(shared).to(dtype)
+
+    def serve(self, ffn: FFNEndpoint, item: WorkItem) -> None:
+        """Compute ``item`` on FFN rank ``ffn`` and reply."""
+        routed, shared = self.outputs(item, ffn.local_experts, ffn.dtype)
+        ffn.reply(item, routed, shared)
+
+    def reference(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        include_shared: bool,
+    ) -> torch.Tensor:
+        """Per token, per selected expert, in float64: what the combine must return."""
+        x = hidden_states.double()
+        out = torch.zeros(x.shape, dtype=torch.float64)
+        for t in range(x.shape[0]):
+            for j in range(topk_ids.shape[1]):
+                expert = int(topk_ids[t, j])
+                out[t] += float(topk_weights[t, j]) * (x[t] @ self.routed[layer, expert].double())
+            if include_shared:
+                out[t] += x[t] @ self.shared[layer].double()
+        return out
+
+
+def random_routing(
+    num_tokens: int,
+    hidden_size: int,
+    topk: int,
+    experts: Sequence[int],
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random hidden states, ``topk`` distinct experts per token drawn from ``experts``,
+    and random positive weights."""
+    pool = torch.tensor(list(experts), dtype=torch.long)
+    if topk > len(pool):
+        raise ValueError(f"cannot pick {topk} distinct experts from {len(pool)}")
+    x = torch.randn(num_tokens, hidden_size, generator=generator).to(dtype)
+    if num_tokens:
+        picks = [
+            pool[torch.randperm(len(pool), generator=generator)[:topk]] for _ in range(num_tokens)
+        ]
+        ids = torch.stack(picks)
+    else:
+        ids = torch.empty(0, topk, dtype=torch.long)
+    weights = torch.rand(num_tokens, topk, generator=generator)
+    return x, ids, weights
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """``|out - ref| / |ref|`` in the Frobenius norm (0 for two empty tensors)."""
+    if reference.numel() == 0:
+        return 0.0
+    diff = (out.double() - reference.double()).norm()
+    return float(diff / reference.double().norm().clamp_min(1e-30))

@@ -1,0 +1,124 @@
+"""Rank programs for the multi-process host-transport tests (spawned by the launcher).
+
+Experts are linear and deterministic from a seed, so the attention side can check every
+combined output against an independent per-token reference computed locally.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+
+from afd_protocol import (
+    AttentionEndpoint,
+    ConnectorShutdown,
+    FFNEndpoint,
+    ProtocolError,
+    Transport,
+    flag_words,
+    torch_dtype,
+)
+from afd_protocol.testing import LinearExperts, relative_error
+
+
+def experts_for(transport: Transport, seed: int, layers: int) -> LinearExperts:
+    slot = transport.window.slot
+    return LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
+
+
+def ffn_linear(
+    transport: Transport,
+    *,
+    seed: int,
+    layers: int,
+    timeout: float = 30.0,
+    die_after: int | None = None,
+    tolerate_garbage: bool = False,
+) -> dict[str, Any]:
+    """Serve work items with linear experts until every attention rank shuts down."""
+    ep = FFNEndpoint(transport, timeout=timeout)
+    experts = experts_for(transport, seed, layers)
+    served: list[tuple[int, int, int, list[int]]] = []
+    protocol_errors: list[str] = []
+    while True:
+        try:
+            item = ep.next_work_item()
+        except ConnectorShutdown:
+            break
+        except ProtocolError as exc:
+            if not tolerate_garbage:
+                raise
+            protocol_errors.append(str(exc))
+            continue
+        if die_after is not None and len(served) >= die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        experts.serve(ep, item)
+        served.append((item.replica, item.layer, item.stage, [p.src_rank for p in item.parts]))
+    return {"served": served, "protocol_errors": protocol_errors}
+
+
+def attention_linear(
+    transport: Transport,
+    *,
+    seed: int,
+    layers: int,
+    jobs: list[dict[str, Any]],
+    in_flight: int = 1,
+    timeout: float = 30.0,
+    garbage_first: bool = False,
+) -> dict[str, Any]:
+    """Dispatch ``jobs`` (``in_flight`` at a time), combine, check against a reference."""
+    ep = AttentionEndpoint(transport, timeout=timeout)
+    experts = experts_for(transport, seed, layers)
+    slot = transport.window.slot
+    dtype = torch_dtype(slot.dtype)
+    shared_on_ffn = slot.shared_placement.value == "ffn"
+    gen = torch.Generator().manual_seed(seed * 1000 + transport.rank)
+    if garbage_first:
+        # Garbage in the last ring slot (the real dispatches use ring 0 first, so the two
+        # never race for the same bytes), published with a flag like a real message.
+        ring = transport.window.ring_depth - 1
+        window = transport.peer_window(0)
+        at = transport.window.field_offset(transport.rank, ring, "header")
+        window[at : at + 64] = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=gen)
+        transport.publish(0, transport.window.flag_index(transport.rank, ring), 1 << 30)
+    errors, destinations = [], []
+    for start in range(0, len(jobs), in_flight):
+        batch = []
+        for stage, job in enumerate(jobs[start : start + in_flight]):
+            pool = torch.tensor(job.get("experts", range(slot.topology.num_experts)))
+            n, k = job["tokens"], slot.topk
+            x = torch.randn(n, slot.hidden_size, generator=gen).to(dtype)
+            ids = torch.stack(
+                [pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(n)]
+            )
+            tw = torch.rand(n, k, generator=gen)
+            handle = ep.dispatch(job["layer"], x, ids, tw, stage=stage)
+            destinations.append(sorted(handle.expected_ffn))
+            batch.append((job["layer"], x, ids, tw, handle))
+        for layer, x, ids, tw, handle in batch:
+            out = ep.combine(handle)
+            errors.append(relative_error(out, experts.reference(layer, x, ids, tw, shared_on_ffn)))
+    ep.announce_shutdown()
+    flags = flag_words(transport.local_window(), transport.window)
+    return {"errors": errors, "destinations": destinations, "flags_seen": int(flags.max())}
+
+
+def attention_forever(transport: Transport, *, timeout: float) -> None:
+    """Keep dispatching and combining until something fails (for the fault tests)."""
+    ep = AttentionEndpoint(transport, timeout=timeout)
+    slot = transport.window.slot
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch_dtype(slot.dtype)
+    while True:
+        x = torch.randn(16, slot.hidden_size, generator=gen).to(dtype)
+        ids = torch.stack(
+            [
+                torch.randperm(slot.topology.num_experts, generator=gen)[: slot.topk]
+                for _ in range(16)
+            ]
+        )
+        ep.combine(ep.dispatch(0, x, ids, torch.rand(16, slot.topk, generator=gen)))

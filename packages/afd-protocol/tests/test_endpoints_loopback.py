@@ -1,0 +1,302 @@
+"""Endpoint logic driven step by step in one process over the loopback transport."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd_protocol import (
+    AttentionEndpoint,
+    CapacityError,
+    ConnectorShutdown,
+    FFNEndpoint,
+    LoopbackWorld,
+    PeerAborted,
+    PeerTimeout,
+    ProtocolError,
+    Role,
+    SlotLayout,
+    Topology,
+    TopologyError,
+    flag_words,
+)
+from afd_protocol.testing import LinearExperts, random_routing
+
+HIDDEN = 8
+
+
+def make_world(
+    a: int = 2,
+    f: int = 2,
+    experts: int = 7,
+    topk: int = 3,
+    ring_depth: int = 1,
+    shared: str = "attention",
+    per_dp: int = 1,
+    tokens: int = 32,
+) -> LoopbackWorld:
+    topo = Topology(a, f, experts, attn_ranks_per_dp=per_dp)
+    layout = SlotLayout(topo, HIDDEN, tokens, topk, dtype="float32", shared_placement=shared)
+    return LoopbackWorld(layout.window(ring_depth=ring_depth))
+
+
+def endpoints(world: LoopbackWorld) -> tuple[list[AttentionEndpoint], list[FFNEndpoint]]:
+    topo = world.window.slot.topology
+    attn = [
+        AttentionEndpoint(world.transport(Role.ATTENTION, r), timeout=0.05)
+        for r in range(topo.num_attention_ranks)
+    ]
+    ffn = [
+        FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(topo.num_ffn_ranks)
+    ]
+    return attn, ffn
+
+
+def linear_experts(world: LoopbackWorld, layers: int = 4) -> LinearExperts:
+    topo = world.window.slot.topology
+    return LinearExperts(layers, topo.num_experts, HIDDEN, seed=0)
+
+
+def route(num_tokens: int, topk: int, experts: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+    return random_routing(num_tokens, HIDDEN, topk, experts, torch.Generator().manual_seed(seed))
+
+
+def drain(ffns: list[FFNEndpoint], experts: LinearExperts) -> list[tuple[int, int, int]]:
+    """Serve every ready item on every FFN rank; returns (ffn, replica, layer) served."""
+    served = []
+    for ffn in ffns:
+        while True:
+            try:
+                item = ffn.next_work_item(timeout=0.001)
+            except PeerTimeout:
+                break
+            experts.serve(ffn, item)
+            served.append((ffn.rank, item.replica, item.layer))
+    return served
+
+
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_two_replicas_on_different_layers_match_the_reference(shared: str) -> None:
+    world = make_world(shared=shared, ring_depth=2)
+    attn, ffns = endpoints(world)
+    experts = linear_experts(world)
+    # Replica 0 is on layer 3 with 30 tokens while replica 1 is on layer 0 with 5 tokens,
+    # and replica 1 also has a second stage in flight.
+    jobs = [
+        (attn[0], 3, *route(30, 3, list(range(7)), 1)),
+        (attn[1], 0, *route(5, 3, list(range(7)), 2)),
+        (attn[1], 1, *route(4, 3, list(range(7)), 3)),
+    ]
+    pending = [
+        (ep, layer, x, ids, w, ep.dispatch(layer, x, ids, w, stage=i % 2))
+        for i, (ep, layer, x, ids, w) in enumerate(jobs)
+    ]
+    drain(ffns, experts)
+    for ep, layer, x, ids, w, handle in pending:
+        out = ep.combine(handle)
+        expected = experts.reference(layer, x, ids, w, shared == "ffn")
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_rank_that_receives_nothing_is_not_waited_on() -> None:
+    world = make_world(a=1)
+    attn, ffns = endpoints(world)
+    experts = linear_experts(world)
+    ffn0_experts = list(world.window.slot.topology.local_experts(0))
+    x, ids, w = route(6, 3, ffn0_experts, 4)
+    handle = attn[0].dispatch(0, x, ids, w)
+    assert set(handle.expected_ffn) == {0}
+    with pytest.raises(PeerTimeout, match="FFN rank 1: no work item"):
+        ffns[1].next_work_item(timeout=0.01)
+    experts.serve(ffns[0], ffns[0].next_work_item())
+    out = attn[0].combine(handle)
+    torch.testing.assert_close(
+        out.double(), experts.reference(0, x, ids, w, False), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_scan_start_rotates_so_no_ready_replica_starves() -> None:
+    world = make_world(a=3, f=1, experts=4, topk=2, ring_depth=4)
+    attn, (ffn,) = endpoints(world)
+    experts = linear_experts(world)
+
+    def send(ep: AttentionEndpoint, layer: int) -> None:
+        x, ids, w = route(3, 2, [0, 1, 2, 3], layer)
+        ep.dispatch(layer, x, ids, w, stage=layer)
+
+    for layer in range(4):  # replicas 0 and 1 keep four items ready
+        send(attn[0], layer)
+        send(attn[1], layer)
+    send(attn[2], 0)  # replica 2 publishes once, last
+    picks = []
+    for _ in range(6):
+        item = ffn.next_work_item()
+        picks.append(item.replica)
+        experts.serve(ffn, item)
+    assert picks[:3] == [0, 1, 2]
+    assert picks.count(2) == 1
+    assert picks[3:] == [0, 1, 0]
+
+
+def test_a_replica_with_two_participants_is_ready_only_when_both_published() -> None:
+    world = make_world(a=2, f=2, per_dp=2)
+    attn, ffns = endpoints(world)
+    topo = world.window.slot.topology
+    experts = linear_experts(world)
+    x0, ids0, w0 = route(5, 3, list(range(7)), 5)
+    x1, ids1, w1 = route(4, 3, list(topo.local_experts(0)), 6)  # nothing for FFN rank 1
+    h0 = attn[0].dispatch(2, x0, ids0, w0)
+    with pytest.raises(PeerTimeout):
+        ffns[0].next_work_item(timeout=0.01)  # only one participant has published
+    h1 = attn[1].dispatch(2, x1, ids1, w1)
+    assert set(h1.expected_ffn) == {0, 1}  # participants publish to every FFN rank
+    for ffn in ffns:
+        item = ffn.next_work_item()
+        assert (item.replica, item.layer) == (0, 2)
+        assert [p.src_rank for p in item.parts] == [0, 1]
+        experts.serve(ffn, item)
+    torch.testing.assert_close(
+        attn[0].combine(h0).double(),
+        experts.reference(2, x0, ids0, w0, False),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    torch.testing.assert_close(
+        attn[1].combine(h1).double(),
+        experts.reference(2, x1, ids1, w1, False),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+
+
+def test_capacity_overflow_and_ring_exhaustion_write_nothing_and_lose_nothing() -> None:
+    world = make_world(a=1, ring_depth=1, tokens=8)
+    attn, ffns = endpoints(world)
+    experts = linear_experts(world)
+    before = [flag_words(world.windows[(Role.FFN, r)], world.window).clone() for r in range(2)]
+    with pytest.raises(CapacityError, match="9 tokens exceeds token_cap=8"):
+        attn[0].dispatch(0, *route(9, 3, list(range(7)), 7))
+    for r in range(2):
+        assert torch.equal(flag_words(world.windows[(Role.FFN, r)], world.window), before[r])
+    x, ids, w = route(8, 3, list(range(7)), 8)
+    handle = attn[0].dispatch(0, x, ids, w)
+    with pytest.raises(TopologyError, match="ring exhausted: 1 dispatches are in flight"):
+        attn[0].dispatch(1, x, ids, w)
+    drain(ffns, experts)
+    torch.testing.assert_close(
+        attn[0].combine(handle).double(),
+        experts.reference(0, x, ids, w, False),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    with pytest.raises(ProtocolError, match="not in flight"):
+        attn[0].combine(handle)
+
+
+def test_missing_reply_times_out_naming_the_ranks() -> None:
+    world = make_world(a=1)
+    attn, _ = endpoints(world)
+    handle = attn[0].dispatch(4, *route(6, 3, list(range(7)), 9))
+    with pytest.raises(PeerTimeout, match=r"FFN ranks \[0, 1\] did not reply to layer 4"):
+        attn[0].combine(handle, timeout=0.02)
+
+
+def test_stale_reply_is_rejected() -> None:
+    world = make_world(a=1, f=1, experts=4)
+    attn, (ffn,) = endpoints(world)
+    experts = linear_experts(world)
+    x, ids, w = route(4, 3, list(range(4)), 10)
+    first = attn[0].dispatch(0, x, ids, w)
+    experts.serve(ffn, ffn.next_work_item())
+    attn[0].combine(first)
+    second = attn[0].dispatch(1, x, ids, w)
+    item = ffn.next_work_item()
+    assert item.layer == 1
+    # Bump the reply flag without writing a new reply: the slot still holds the reply to
+    # the first dispatch (FFN seq 1, answering attention seq 1).
+    flag = world.window.flag_index(0, 0)
+    old = int(flag_words(world.windows[(Role.ATTENTION, 0)], world.window)[flag])
+    world.transport(Role.FFN, 0).publish(0, flag, old + 100)
+    with pytest.raises(ProtocolError, match="SEQ=1 but the flag says 101") as caught:
+        attn[0].combine(second)
+    assert "ANSWER_SEQ=1 but this dispatch was seq 2" in str(caught.value)
+
+
+def test_garbage_in_a_slot_raises_protocol_error_and_the_endpoint_recovers() -> None:
+    world = make_world(a=1, f=1, experts=4)
+    attn, (ffn,) = endpoints(world)
+    experts = linear_experts(world)
+    window = world.windows[(Role.FFN, 0)]
+    header_at = world.window.field_offset(0, 0, "header")
+    window[header_at : header_at + 64] = torch.randint(0, 256, (64,), dtype=torch.uint8)
+    world.transport(Role.ATTENTION, 0).publish(0, world.window.flag_index(0, 0), 999)
+    with pytest.raises(ProtocolError, match="slot from attention rank 0 \\(ring 0\\)"):
+        ffn.next_work_item()
+    x, ids, w = route(4, 3, list(range(4)), 11)
+    handle = attn[0].dispatch(0, x, ids, w)
+    experts.serve(ffn, ffn.next_work_item())
+    torch.testing.assert_close(
+        attn[0].combine(handle).double(),
+        experts.reference(0, x, ids, w, False),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+
+
+def test_shutdown_reaches_the_other_role_after_pending_work() -> None:
+    world = make_world()
+    attn, ffns = endpoints(world)
+    experts = linear_experts(world)
+    x, ids, w = route(4, 3, list(range(7)), 12)
+    handle = attn[0].dispatch(0, x, ids, w)
+    with pytest.raises(Exception, match="dispatches in flight"):
+        attn[0].announce_shutdown()
+    drain(ffns, experts)
+    attn[0].combine(handle)
+    attn[0].announce_shutdown()
+    with pytest.raises(PeerTimeout):
+        ffns[0].next_work_item(timeout=0.01)  # attention rank 1 has not shut down yet
+    attn[1].announce_shutdown()
+    for ffn in ffns:
+        with pytest.raises(ConnectorShutdown, match="every attention rank shut down"):
+            ffn.next_work_item()
+    with pytest.raises(ConnectorShutdown):
+        attn[0].dispatch(0, x, ids, w)
+
+
+def test_ffn_shutdown_and_abort_wake_a_waiting_attention_rank() -> None:
+    world = make_world(a=1)
+    attn, ffns = endpoints(world)
+    handle = attn[0].dispatch(0, *route(4, 3, list(range(7)), 13))
+    ffns[0].announce_shutdown()
+    with pytest.raises(ConnectorShutdown, match="FFN rank 0 shut down while layer 0"):
+        attn[0].combine(handle)
+
+    world = make_world(a=1)
+    attn, ffns = endpoints(world)
+    handle = attn[0].dispatch(0, *route(4, 3, list(range(7)), 13))
+    ffns[1].abort()
+    with pytest.raises(PeerAborted, match=r"rank\(s\) \[1\] aborted"):
+        attn[0].combine(handle)
+
+
+def test_bad_inputs_say_what_to_change() -> None:
+    world = make_world(a=1)
+    attn, ffns = endpoints(world)
+    x, ids, w = route(4, 3, list(range(7)), 14)
+    with pytest.raises(TopologyError, match=r"bfloat16 but the window carries torch\.float32"):
+        attn[0].dispatch(0, x.bfloat16(), ids, w)
+    with pytest.raises(TopologyError, match=r"must be \[num_tokens, 8\]"):
+        attn[0].dispatch(0, x[:, :4], ids, w)
+    with pytest.raises(TopologyError, match="must agree"):
+        attn[0].dispatch(0, x, ids, w[:, :2])
+    with pytest.raises(TopologyError, match="role attention"):
+        AttentionEndpoint(world.transport(Role.FFN, 0))
+    handle = attn[0].dispatch(0, x, ids, w)
+    item = ffns[0].next_work_item()
+    with pytest.raises(ProtocolError, match="routed_out has shape"):
+        ffns[0].reply(item, torch.zeros(1, HIDDEN))
+    ffns[0].reply(item, torch.zeros(item.num_routed_rows, HIDDEN))
+    with pytest.raises(ProtocolError, match="not in service"):
+        ffns[0].reply(item, torch.zeros(item.num_routed_rows, HIDDEN))
+    del handle

@@ -1,0 +1,49 @@
+"""``afd bench``: sub-commands and their options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="micro and layer benchmarks (transport, ...)",
+        description="Benchmarks that print a table with their floor measured in the same run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    transport = kinds.add_parser(
+        "transport",
+        help="notify latency, payload bandwidth, dispatch+combine per layer",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    transport.add_argument(
+        "--backend",
+        choices=["host"],
+        default="host",
+        help="transport to measure (nvshmem arrives with the GPU transport)",
+    )
+    transport.add_argument("--iterations", type=int, default=2000, help="latency round trips")
+    transport.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
+    transport.add_argument(
+        "--max-tokens", type=int, default=8192, help="largest batch of the per-layer benchmark"
+    )
+    transport.add_argument(
+        "--max-bytes", type=int, default=64 << 20, help="largest payload of the bandwidth sweep"
+    )
+    transport.add_argument("--json", type=Path, default=None, help="also write results here")
+    transport.set_defaults(handler=run_transport)
+
+
+def run_transport(args: argparse.Namespace) -> int:
+    from afd_tools.bench import host_transport
+
+    report = host_transport.run(args)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,202 @@
+"""``afd bench transport --backend host``: the shared-memory transport on this machine.
+
+Three measurements, each beside its floor from the same run:
+
+* notify latency -- a flag ping-pong between two processes through
+  ``publish``/``wait_any``; one way = round trip / 2;
+* payload bandwidth -- one-sided writes into a peer's window (4 KB .. 64 MB) against a
+  plain ``copy_`` of the same bytes into this process's own shared-memory window;
+* dispatch + combine per layer -- 2 attention x 2 FFN processes, hidden 2048 bf16,
+  64 experts top-6, identity FFN (so only the transport and the plan are timed), against
+  a plain copy of the same bytes (dispatch rows + reply rows) in one process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from afd_protocol import (
+    AttentionEndpoint,
+    ConnectorShutdown,
+    FFNEndpoint,
+    Role,
+    SlotLayout,
+    Topology,
+    Transport,
+)
+from afd_protocol.host import launch
+from afd_protocol.host.launcher import RankSpec
+from afd_tools.bench.stats import human_bytes, median_seconds
+
+PAYLOAD_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+LAYER_TOKENS = [256, 1024, 4096, 8192]
+HIDDEN, EXPERTS, TOPK = 2048, 64, 6
+
+
+# ---- latency and bandwidth: one attention and one FFN process -------------------------
+
+
+def _pingpong(transport: Transport, iterations: int) -> list[float]:
+    """Attention side bumps its flag in the FFN window; the FFN echoes it back."""
+    window = transport.window
+    me = transport.rank
+    out_flag = window.flag_index(me, 0)
+    in_flag = window.flag_index(0, 0)
+    seen = 0
+    samples = []
+    for i in range(1, iterations + 1):
+        start = time.perf_counter()
+        if transport.role is Role.ATTENTION:
+            transport.publish(0, out_flag, i)
+            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0])
+            samples.append(time.perf_counter() - start)
+        else:
+            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0])
+            transport.publish(0, out_flag, seen)
+    return samples
+
+
+def _bandwidth(transport: Transport, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Attention writes each size into the FFN window and publishes; FFN acknowledges."""
+    window = transport.window
+    rows_at = window.field_offset(0, 0, "routed_rows")
+    out_flag, in_flag = window.flag_index(0, 0), window.flag_index(0, 0)
+    seen = 0
+    seq = 0
+    if transport.role is Role.FFN:
+        while True:
+            (seen,) = transport.wait_any([in_flag], [seen], 60.0, [0])
+            if seen < 0:
+                return {}
+            transport.publish(0, out_flag, seen)
+    results: dict[str, Any] = {}
+    source = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8)
+    peer = transport.peer_window(0)
+    local = transport.local_window()
+
+    def write_and_notify(dst: torch.Tensor, size: int) -> None:
+        nonlocal seq, seen
+        seq += 1
+        dst.copy_(source[:size])
+        transport.publish(0, out_flag, seq)
+        (seen,) = transport.wait_any([in_flag], [seen], 60.0, [0])
+
+    def copy(dst: torch.Tensor, size: int) -> None:
+        dst.copy_(source[:size])
+
+    for size in sizes:
+        dst = peer[rows_at : rows_at + size]
+        own = local[rows_at : rows_at + size]
+        reps = max(5, min(repeats, (256 << 20) // size))
+        results[str(size)] = {
+            "floor": median_seconds(partial(copy, own, size), reps),
+            "write": median_seconds(partial(copy, dst, size), reps),
+            "write_notify_ack": median_seconds(partial(write_and_notify, dst, size), reps),
+        }
+    transport.publish(0, out_flag, -1)
+    return results
+
+
+# ---- dispatch + combine per layer: 2 attention x 2 FFN --------------------------------
+
+
+def _layer_attention(transport: Transport, tokens: list[int], repeats: int) -> dict[str, float]:
+    endpoint = AttentionEndpoint(transport, timeout=120.0)
+    gen = torch.Generator().manual_seed(transport.rank)
+    results = {}
+
+    def layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        endpoint.combine(endpoint.dispatch(0, x, ids, weights))
+
+    for t in tokens:
+        x = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+        ids = torch.rand(t, EXPERTS, generator=gen).topk(TOPK, dim=-1).indices
+        weights = torch.rand(t, TOPK, generator=gen)
+        results[str(t)] = median_seconds(partial(layer, x, ids, weights), repeats)
+    endpoint.announce_shutdown()
+    return results
+
+
+def _layer_ffn_identity(transport: Transport) -> int:
+    endpoint = FFNEndpoint(transport, timeout=120.0)
+    served = 0
+    while True:
+        try:
+            item = endpoint.next_work_item()
+        except ConnectorShutdown:
+            return served
+        rows = [p.routed_rows for p in item.parts]
+        endpoint.reply(item, rows[0] if len(rows) == 1 else torch.cat(rows))
+        served += 1
+
+
+def run(args: Any) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    report: dict[str, Any] = {"backend": "host"}
+
+    # Latency.
+    topo = Topology(1, 1, 1)
+    tiny = SlotLayout(topo, 64, 16, 1, dtype="bfloat16").window()
+    specs = [RankSpec(role, 0, _pingpong, {"iterations": args.iterations}) for role in Role]
+    samples = launch(tiny, specs, timeout=300)["attention rank 0"].value[100:]
+    one_way = [s / 2 * 1e6 for s in samples]
+    report["latency_us"] = {
+        "p50": statistics.median(one_way),
+        "p99": sorted(one_way)[int(0.99 * (len(one_way) - 1))],
+        "mean": statistics.fmean(one_way),
+    }
+    print(f"notify latency, one way ({len(one_way)} round trips / 2):")
+    lat = report["latency_us"]
+    print(f"  p50 {lat['p50']:.1f} us   p99 {lat['p99']:.1f} us   mean {lat['mean']:.1f} us")
+
+    # Bandwidth.
+    sizes = [size for size in PAYLOAD_SIZES if size <= args.max_bytes]
+    rows = max(sizes) // (HIDDEN * 2) or 1
+    big = SlotLayout(topo, HIDDEN, rows, 1, routed_cap_multiplier=1.0).window()
+    specs = [
+        RankSpec(role, 0, _bandwidth, {"sizes": sizes, "repeats": args.repeats}) for role in Role
+    ]
+    bandwidth = launch(big, specs, timeout=600)["attention rank 0"].value
+    report["bandwidth"] = bandwidth
+    print("\none-sided write into a peer window vs plain copy_ into own shared memory:")
+    print(
+        f"  {'size':>8} {'floor GB/s':>11} {'write GB/s':>11} {'ratio':>6} {'+notify+ack GB/s':>17}"
+    )
+    for size in sizes:
+        r = bandwidth[str(size)]
+        gbs = {k: size / v / 1e9 for k, v in r.items()}
+        print(
+            f"  {human_bytes(size):>8} {gbs['floor']:11.2f} {gbs['write']:11.2f} "
+            f"{gbs['write'] / gbs['floor']:6.2f} {gbs['write_notify_ack']:17.2f}"
+        )
+
+    # Dispatch + combine per layer, 2A2F.
+    tokens = [t for t in LAYER_TOKENS if t <= args.max_tokens]
+    topo = Topology(2, 2, EXPERTS)
+    layer = SlotLayout(topo, HIDDEN, max(tokens), TOPK, dtype="bfloat16").window()
+    specs = [
+        RankSpec(Role.ATTENTION, r, _layer_attention, {"tokens": tokens, "repeats": args.repeats})
+        for r in range(2)
+    ] + [RankSpec(Role.FFN, r, _layer_ffn_identity) for r in range(2)]
+    results = launch(layer, specs, timeout=900)
+    report["layer"] = {}
+    print(
+        f"\ndispatch + combine per layer, 2A2F, hidden {HIDDEN} bf16, {EXPERTS} experts top-{TOPK}"
+    )
+    print("(identity FFN; both attention ranks run at once; floor = plain copy of the same bytes)")
+    print(f"  {'tokens':>6} {'rank0 ms':>9} {'rank1 ms':>9} {'floor ms':>9} {'floor/rank0':>12}")
+    for t in tokens:
+        moved = 2 * t * TOPK * HIDDEN * 2  # dispatch rows + reply rows, bf16
+        src = torch.empty(moved, dtype=torch.uint8)
+        dst = torch.empty(moved, dtype=torch.uint8)
+        floor = median_seconds(partial(dst.copy_, src), args.repeats)
+        r0 = results["attention rank 0"].value[str(t)]
+        r1 = results["attention rank 1"].value[str(t)]
+        report["layer"][str(t)] = {"rank0": r0, "rank1": r1, "floor": floor, "bytes": moved}
+        print(f"  {t:6d} {r0 * 1e3:9.2f} {r1 * 1e3:9.2f} {floor * 1e3:9.2f} {floor / r0:12.2f}")
+    return report
