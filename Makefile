@@ -35,7 +35,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict packages/afd-protocol/src
-	$(VENV)/bin/mypy $(foreach d,$(filter-out packages/afd-protocol,$(PKG_DIRS)),$(d)/src) tools/dev
+	$(VENV)/bin/mypy $(foreach d,$(filter-out packages/afd-protocol,$(PKG_DIRS)),$(d)/src) tools/dev tools/gpu/summary.py
 
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports

@@ -30,11 +30,17 @@ class LinearExperts:
         self.routed *= scale
         self.shared = torch.randn(num_layers, hidden_size, hidden_size, generator=gen) * scale
 
+    def to(self, device: torch.device | str) -> LinearExperts:
+        """Move the weights (for FFN ranks on an accelerator); returns ``self``."""
+        self.routed = self.routed.to(device)
+        self.shared = self.shared.to(device)
+        return self
+
     def outputs(
         self, item: WorkItem, local_experts: Sequence[int], dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """An FFN rank's reply to ``item``: routed rows by group list, shared rows."""
-        table = torch.tensor(list(local_experts), dtype=torch.long)
+        table = torch.tensor(list(local_experts), dtype=torch.long, device=self.routed.device)
         routed, shared = [], []
         for part in item.parts:
             ids = table[expert_ids_from_counts(part.group_list, part.header.routed_rows)]
@@ -56,15 +62,17 @@ class LinearExperts:
         topk_weights: torch.Tensor,
         include_shared: bool,
     ) -> torch.Tensor:
-        """Per token, per selected expert, in float64: what the combine must return."""
-        x = hidden_states.double()
+        """Per token, per selected expert, in float64 on the CPU: what the combine must return."""
+        x = hidden_states.detach().double().cpu()
+        topk_ids, topk_weights = topk_ids.cpu(), topk_weights.cpu()
+        routed, shared = self.routed[layer].double().cpu(), self.shared[layer].double().cpu()
         out = torch.zeros(x.shape, dtype=torch.float64)
         for t in range(x.shape[0]):
             for j in range(topk_ids.shape[1]):
                 expert = int(topk_ids[t, j])
-                out[t] += float(topk_weights[t, j]) * (x[t] @ self.routed[layer, expert].double())
+                out[t] += float(topk_weights[t, j]) * (x[t] @ routed[expert])
             if include_shared:
-                out[t] += x[t] @ self.shared[layer].double()
+                out[t] += x[t] @ shared
         return out
 
 
@@ -97,5 +105,6 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     """``|out - ref| / |ref|`` in the Frobenius norm (0 for two empty tensors)."""
     if reference.numel() == 0:
         return 0.0
-    diff = (out.double() - reference.double()).norm()
-    return float(diff / reference.double().norm().clamp_min(1e-30))
+    ref = reference.detach().double().cpu()
+    diff = (out.detach().double().cpu() - ref).norm()
+    return float(diff / ref.norm().clamp_min(1e-30))

@@ -1,16 +1,36 @@
-"""NVSHMEM transport for afd on NVIDIA GPUs.
+"""afd-transport-nvshmem: the afd transport on NVIDIA GPUs over NVSHMEM.
 
-Not implemented yet (issue: afd-transport-nvshmem). It will bind ``libnvshmem_host.so.3``
-with ctypes, bootstrap NVSHMEM on a key-value store, map peer windows with
-``nvshmem_ptr`` and implement the afd transport interface with device-side waits.
+Import is cheap and works without CUDA or NVSHMEM: the library is located and loaded only
+when a transport or :class:`NvshmemLibrary` is created, so errors say what to install.
 """
 
 from importlib.metadata import PackageNotFoundError, version
+
+from afd_transport_nvshmem.binding import STRUCT_SIZES, NvshmemLibrary
+from afd_transport_nvshmem.bootstrap import SINGLE_NODE_DEFAULTS, apply_single_node_defaults
+from afd_transport_nvshmem.library import NvshmemUnavailable, find_host_library
 
 try:
     __version__ = version("afd-transport-nvshmem")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-IMPLEMENTED = False
-"""False until this package provides its functionality; callers can check it."""
+
+def __getattr__(name: str) -> object:
+    if name == "NvshmemTransport":  # imports torch.cuda helpers only when asked for
+        from afd_transport_nvshmem.transport import NvshmemTransport
+
+        return NvshmemTransport
+    raise AttributeError(name)
+
+
+__all__ = [
+    "SINGLE_NODE_DEFAULTS",
+    "STRUCT_SIZES",
+    "NvshmemLibrary",
+    "NvshmemTransport",
+    "NvshmemUnavailable",
+    "__version__",
+    "apply_single_node_defaults",
+    "find_host_library",
+]

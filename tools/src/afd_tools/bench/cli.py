@@ -23,9 +23,9 @@ def add_parser(sub: Any) -> None:
     )
     transport.add_argument(
         "--backend",
-        choices=["host"],
+        choices=["host", "nvshmem"],
         default="host",
-        help="transport to measure (nvshmem arrives with the GPU transport)",
+        help="transport to measure: host (shared memory) or nvshmem (two GPUs)",
     )
     transport.add_argument("--iterations", type=int, default=2000, help="latency round trips")
     transport.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
@@ -40,9 +40,14 @@ def add_parser(sub: Any) -> None:
 
 
 def run_transport(args: argparse.Namespace) -> int:
-    from afd_tools.bench import host_transport
+    if args.backend == "nvshmem":
+        from afd_tools.bench import nvshmem_transport
 
-    report = host_transport.run(args)
+        report = nvshmem_transport.run(args)
+    else:
+        from afd_tools.bench import host_transport
+
+        report = host_transport.run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")

@@ -1,8 +1,9 @@
 """Launch attention and FFN ranks as processes on one machine over the host transport.
 
 Used by tests, benchmarks and ``afd run``. Each rank runs ``target(transport, **kwargs)``
-in a fresh ``spawn`` process with its :class:`HostTransport` open; its return value
-comes back to the caller. Guarantees: every process is gone when :func:`launch` returns
+in a fresh ``spawn`` process with its transport open (the :class:`HostTransport` by
+default; any backend through ``transport_factory``); its return value comes back to the
+caller. Guarantees: every process is gone when :func:`launch` returns
 or raises (terminated, then killed), the rendezvous directory and any segment it names
 are removed, and a failing rank makes :func:`launch` raise :class:`LaunchError` naming
 every rank's outcome. A rank that raises sets its abort word first, so its peers fail
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -31,6 +33,18 @@ from afd_protocol.host.segments import remove_segments
 from afd_protocol.host.transport import HostTransport
 from afd_protocol.layout import WindowLayout
 from afd_protocol.topology import Role
+from afd_protocol.transport import Transport
+
+TransportFactory = Callable[[WindowLayout, Role, int, str, float], Transport]
+"""``factory(window, role, rank, rendezvous_dir, connect_timeout)`` opens one rank's
+transport inside its process; it must be a module-level function (spawn pickles it)."""
+
+
+def host_transport(
+    window: WindowLayout, role: Role, rank: int, rendezvous: str, connect_timeout: float
+) -> Transport:
+    """The default factory: the shared-memory host transport."""
+    return HostTransport(window, role, rank, rendezvous, connect_timeout=connect_timeout)
 
 
 @dataclass(frozen=True)
@@ -81,14 +95,15 @@ def _rank_main(
     connect_timeout: float,
     threads: int,
     results: Any,
+    factory: TransportFactory,
 ) -> None:
     torch.set_num_threads(threads)
     try:
-        with HostTransport(
-            window, spec.role, spec.rank, rendezvous, connect_timeout=connect_timeout
-        ) as transport:
+        with factory(window, Role(spec.role), spec.rank, rendezvous, connect_timeout) as transport:
             value = spec.target(transport, **spec.kwargs)
-        results.put((spec.name, True, value, None, None, None, os.getpid()))
+        # Pickled here with the standard pickler, so tensors travel by value: torch's
+        # multiprocessing reducers would pass file descriptors that die with this process.
+        results.put((spec.name, True, pickle.dumps(value), None, None, None, os.getpid()))
     except BaseException as exc:  # reported to the launcher, which decides
         message = f"{type(exc).__name__}: {exc}"
         results.put(
@@ -125,6 +140,7 @@ def launch(
     threads_per_rank: int = 1,
     on_start: Callable[[dict[str, int]], None] | None = None,
     window_overrides: Mapping[str, WindowLayout] | None = None,
+    transport_factory: TransportFactory = host_transport,
 ) -> dict[str, RankResult]:
     """Run ``ranks`` to completion; see the module docstring.
 
@@ -151,6 +167,7 @@ def launch(
                     connect_timeout,
                     threads_per_rank,
                     results_queue,
+                    transport_factory,
                 ),
                 name=f"afd-{spec.name.replace(' ', '-')}",
                 daemon=True,
@@ -164,7 +181,8 @@ def launch(
         exited_without_result: dict[str, float] = {}
         while len(results) < len(processes):
             try:
-                name, ok, value, error, error_type, tb, pid = results_queue.get(timeout=0.05)
+                name, ok, blob, error, error_type, tb, pid = results_queue.get(timeout=0.05)
+                value = pickle.loads(blob) if blob is not None else None
                 results[name] = RankResult(name, ok, value, error, error_type, tb, pid)
             except queue.Empty:
                 pass

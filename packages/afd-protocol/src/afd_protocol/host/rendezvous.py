@@ -105,3 +105,28 @@ class DirectoryRendezvous:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
+
+
+class DirectoryStore:
+    """A key-value store (``set``/blocking ``get`` of bytes) over a rendezvous directory.
+
+    Lets a device transport bootstrap through the same private directory the launcher
+    already made, with no TCP port at all.
+    """
+
+    def __init__(self, path: str | Path, timeout: float = 60.0) -> None:
+        self._rendezvous = DirectoryRendezvous(path)
+        self._timeout = timeout
+
+    @staticmethod
+    def _key(key: str) -> str:
+        return "kv-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._rendezvous.publish(self._key(key), {"hex": data.hex()})
+
+    def get(self, key: str) -> bytes:
+        name = self._key(key)
+        found = self._rendezvous.wait_for([name], [], self._timeout, f"store key {key!r}")
+        return bytes.fromhex(found[name]["hex"])

@@ -1,0 +1,164 @@
+"""A small typed ctypes binding of the NVSHMEM host library (no compiled extension).
+
+Only what afd needs: unique-id bootstrap, the symmetric heap, peer mapping, barriers.
+The structure layouts are fixed by NVSHMEM's own ``static_assert``s (unique id 128 B,
+unique-id args 24 B, init args 128 B, init attr 144 B) and each carries a version word
+``(1 << 16) + sizeof(struct)``; both are asserted here at import. ``nvshmem_init``,
+``nvshmemx_init_attr`` and ``nvshmem_finalize`` are header-inline (not exported), so
+initialisation goes through ``nvshmemx_hostlib_init_attr`` / ``nvshmemx_hostlib_finalize``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from afd_protocol import AFDError
+from afd_transport_nvshmem.library import NvshmemUnavailable, find_host_library
+
+INIT_WITH_UNIQUEID = 1 << 3
+UNIQUEID_BYTES = 128
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_int), ("internal", ctypes.c_char * 124)]
+
+
+class UniqueIdArgs(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_int),
+        ("id", ctypes.POINTER(UniqueId)),
+        ("myrank", ctypes.c_int),
+        ("nranks", ctypes.c_int),
+    ]
+
+
+class InitArgs(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_int),
+        ("uid_args", UniqueIdArgs),
+        ("content", ctypes.c_char * 96),
+    ]
+
+
+class InitAttr(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_int), ("mpi_comm", ctypes.c_void_p), ("args", InitArgs)]
+
+
+STRUCT_SIZES: dict[type[ctypes.Structure], int] = {
+    UniqueId: 128,
+    UniqueIdArgs: 24,
+    InitArgs: 128,
+    InitAttr: 144,
+}
+for _struct, _size in STRUCT_SIZES.items():
+    assert ctypes.sizeof(_struct) == _size, f"{_struct.__name__} must be {_size} bytes"
+
+
+def version_word(struct: type[ctypes.Structure]) -> int:
+    return (1 << 16) + ctypes.sizeof(struct)
+
+
+class NvshmemLibrary:
+    """The loaded host library with typed entry points."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else find_host_library()
+        try:
+            lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise NvshmemUnavailable(f"cannot load {self.path}: {exc}") from exc
+        self._lib = lib
+        c_int, c_size_t, c_void_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
+        signatures: dict[str, tuple[list[type], type | None]] = {
+            "nvshmemx_get_uniqueid": ([ctypes.POINTER(UniqueId)], c_int),
+            "nvshmemx_set_attr_uniqueid_args": (
+                [c_int, c_int, ctypes.POINTER(UniqueId), ctypes.POINTER(InitAttr)],
+                c_int,
+            ),
+            "nvshmemx_hostlib_init_attr": ([ctypes.c_uint, ctypes.POINTER(InitAttr)], c_int),
+            "nvshmemx_hostlib_finalize": ([], None),
+            "nvshmem_malloc": ([c_size_t], c_void_p),
+            "nvshmem_free": ([c_void_p], None),
+            "nvshmem_ptr": ([c_void_p, c_int], c_void_p),
+            "nvshmem_my_pe": ([], c_int),
+            "nvshmem_n_pes": ([], c_int),
+            "nvshmem_barrier_all": ([], None),
+            "nvshmemx_vendor_get_version_info": (
+                [ctypes.POINTER(c_int), ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
+                None,
+            ),
+        }
+        for name, (argtypes, restype) in signatures.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise NvshmemUnavailable(f"{self.path} does not export {name}") from None
+            fn.argtypes = argtypes
+            fn.restype = restype
+
+    def version(self) -> tuple[int, int, int]:
+        major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        self._lib.nvshmemx_vendor_get_version_info(
+            ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch)
+        )
+        return major.value, minor.value, patch.value
+
+    def unique_id(self) -> bytes:
+        """A fresh unique id (rank 0 makes it; the others receive it through a store)."""
+        uid = UniqueId(version=version_word(UniqueId))
+        rc = self._lib.nvshmemx_get_uniqueid(ctypes.byref(uid))
+        if rc != 0:
+            raise AFDError(f"nvshmemx_get_uniqueid failed with status {rc}")
+        return bytes(ctypes.string_at(ctypes.addressof(uid), UNIQUEID_BYTES))
+
+    def init(self, unique_id: bytes, rank: int, world_size: int) -> None:
+        """Initialise this process as PE ``rank`` of ``world_size`` (collective)."""
+        if len(unique_id) != UNIQUEID_BYTES:
+            raise AFDError(f"an NVSHMEM unique id has {UNIQUEID_BYTES} bytes, got {len(unique_id)}")
+        uid = UniqueId.from_buffer_copy(unique_id)
+        attr = InitAttr(version=version_word(InitAttr))
+        attr.args.version = version_word(InitArgs)
+        attr.args.uid_args.version = version_word(UniqueIdArgs)
+        rc = self._lib.nvshmemx_set_attr_uniqueid_args(
+            rank, world_size, ctypes.byref(uid), ctypes.byref(attr)
+        )
+        if rc != 0:
+            raise AFDError(f"nvshmemx_set_attr_uniqueid_args failed with status {rc}")
+        # ``attr`` keeps a pointer to ``uid``: both stay alive across the call below.
+        rc = self._lib.nvshmemx_hostlib_init_attr(INIT_WITH_UNIQUEID, ctypes.byref(attr))
+        if rc != 0:
+            raise AFDError(
+                f"nvshmemx_hostlib_init_attr failed with status {rc} (rank {rank} of "
+                f"{world_size}); set NVSHMEM_DEBUG=INFO for NVSHMEM's own diagnostics"
+            )
+
+    def finalize(self) -> None:
+        self._lib.nvshmemx_hostlib_finalize()
+
+    def my_pe(self) -> int:
+        return int(self._lib.nvshmem_my_pe())
+
+    def n_pes(self) -> int:
+        return int(self._lib.nvshmem_n_pes())
+
+    def malloc(self, nbytes: int) -> int:
+        """Collective symmetric allocation; returns this PE's device address."""
+        address = self._lib.nvshmem_malloc(nbytes)
+        if not address:
+            raise AFDError(
+                f"nvshmem_malloc({nbytes}) failed: the symmetric heap is too small; raise "
+                f"NVSHMEM_SYMMETRIC_SIZE (afd sets it from the window size unless you did)"
+            )
+        return int(address)
+
+    def free(self, address: int) -> None:
+        self._lib.nvshmem_free(ctypes.c_void_p(address))
+
+    def peer_address(self, address: int, pe: int) -> int:
+        """``address`` of PE ``pe`` mapped into this process (0 when not P2P reachable)."""
+        mapped = self._lib.nvshmem_ptr(ctypes.c_void_p(address), pe)
+        return int(mapped) if mapped else 0
+
+    def barrier_all(self) -> None:
+        self._lib.nvshmem_barrier_all()

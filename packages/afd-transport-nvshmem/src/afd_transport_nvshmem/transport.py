@@ -1,0 +1,302 @@
+"""The NVSHMEM transport: AFD windows in the symmetric heap, mapped peer to peer.
+
+Each rank allocates its window with ``nvshmem_malloc`` (collective, same size on every PE)
+and maps every opposite-role peer's window with ``nvshmem_ptr``; writing to a peer is a
+``copy_``/``index_select(out=...)`` into that mapped view -- one-sided, over NVLink. A
+NULL ``nvshmem_ptr`` means the peer is not P2P reachable (another node): a hard error, as
+only a single node is supported.
+
+Why a visible flag implies a complete payload
+---------------------------------------------
+The payload writes and the flag write are issued on the same CUDA stream, payload first.
+The flag is written with ``cuStreamWriteValue32`` in its default mode, which puts a
+memory fence with ``__threadfence_system()`` semantics for the stream's earlier work
+before the write; without ``cuda-bindings`` a one-element fill kernel follows the copy
+kernels on the stream (a kernel boundary; the ordering every NVLink peer-mapped
+connector relies on). A receiver loads the flag with acquire semantics at system scope
+(device waits) or through a device-to-host copy issued after it (host polls) before it
+reads the payload. A cross-node transport (IB/RDMA) would need an explicit fence between
+payload and flag, since these orderings do not extend over a network.
+
+Waits
+-----
+``wait="device"`` (the default): a Triton program polls the flags on the GPU and reports
+to pinned host memory (see :mod:`afd_transport_nvshmem.device_wait`). ``wait="host"``:
+one device-to-host copy of the watched flags per check, the fallback and the baseline.
+Both check the watched peers' abort words and, between poll slices, that the peer
+processes are alive; both raise :class:`PeerTimeout` after the timeout.
+
+Teardown
+--------
+``nvshmem_free`` and finalisation are collective: they run only when every rank reached
+``close()`` (checked through the store with a timeout). After a failure a rank skips
+them rather than hang on a dead peer; the process exit reclaims the GPU memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from afd_protocol import PeerAborted, PeerTimeout, Role, TopologyError, Transport, WindowLayout
+from afd_protocol.host.rendezvous import process_alive, process_start_time
+from afd_protocol.layout import check_same_geometry
+from afd_protocol.views import abort_words, flag_words
+from afd_transport_nvshmem.binding import NvshmemLibrary
+from afd_transport_nvshmem.bootstrap import KeyValueStore, apply_single_node_defaults, bootstrap
+from afd_transport_nvshmem.cuda_memory import (
+    device_bytes,
+    stream_memops_available,
+    stream_write_value32,
+)
+
+if TYPE_CHECKING:
+    from afd_transport_nvshmem.device_wait import DeviceWaiter
+
+WAIT_MODES = ("device", "host")
+POLL_SLICE = 20000
+"""Device polls per wait slice; between slices the host checks liveness and the deadline."""
+
+
+class NvshmemTransport(Transport):
+    """One rank's NVSHMEM windows; see the module docstring."""
+
+    def __init__(
+        self,
+        window: WindowLayout,
+        role: Role | str,
+        rank: int,
+        store: KeyValueStore,
+        *,
+        device: int | None = None,
+        wait: str = "device",
+        connect_timeout: float = 60.0,
+        liveness_interval: float = 0.05,
+        library: NvshmemLibrary | None = None,
+    ) -> None:
+        super().__init__(window, Role(role), rank)
+        if wait not in WAIT_MODES:
+            raise TopologyError(f"wait must be one of {WAIT_MODES}, got {wait!r}")
+        if not torch.cuda.is_available():
+            raise TopologyError("the NVSHMEM transport needs a CUDA device; none is visible")
+        topo = self.topology
+        self._world = topo.world_rank(self.role, rank)
+        count = torch.cuda.device_count()
+        index = self._world % count if device is None else device
+        self._device = torch.device("cuda", index)
+        torch.cuda.set_device(self._device)
+        torch.empty(1, device=self._device)  # create the context NVSHMEM will use
+        self._name = f"{self.role.value} rank {rank}"
+        self._wait_mode = wait
+        self._store = store
+        self._liveness_interval = liveness_interval
+        self._closed = False
+        self._aborted = False
+        self._heap_address = 0
+        self.environment = apply_single_node_defaults(window.total_bytes)
+        self._lib = library or NvshmemLibrary()
+        bootstrap(self._lib, store, self._world, topo.world_size, "afd/nvshmem/uid")
+
+        peer_role = self.role.opposite
+        peers = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
+        me = {
+            "geometry": window.describe(),
+            "pid": os.getpid(),
+            "start_time": process_start_time(os.getpid()),
+        }
+        store.set(f"afd/rank/{self._world}", json.dumps(me).encode())
+        self._peer_pids: list[tuple[int, int]] = []
+        for r, w in enumerate(peers):
+            info = json.loads(store.get(f"afd/rank/{w}"))
+            check_same_geometry(
+                window.describe(), info["geometry"], peer=f"{peer_role.value} rank {r}"
+            )
+            self._peer_pids.append((int(info["pid"]), int(info["start_time"])))
+
+        self._heap_address = self._lib.malloc(window.total_bytes)
+        self._local = device_bytes(self._heap_address, window.total_bytes, self._device)
+        self._local.zero_()
+        torch.cuda.synchronize(self._device)
+        self._lib.barrier_all()  # every window is zeroed before anyone writes
+        self._peer_windows: list[torch.Tensor] = []
+        for w in peers:
+            address = self._lib.peer_address(self._heap_address, w)
+            if address == 0:
+                raise TopologyError(
+                    f"{self._name}: nvshmem_ptr returned NULL for world rank {w}: that GPU is not "
+                    f"peer-to-peer reachable from cuda:{index}; the NVSHMEM transport supports "
+                    f"a single node with NVLink/P2P between all GPUs"
+                )
+            self._peer_windows.append(device_bytes(address, window.total_bytes, self._device))
+        self._flags = flag_words(self._local, window)
+        self._aborts = abort_words(self._local, window)
+        self._peer_flags = [flag_words(t, window) for t in self._peer_windows]
+        self._peer_aborts = [abort_words(t, window) for t in self._peer_windows]
+        self._memops = stream_memops_available()
+        self._waiter: DeviceWaiter | None = None
+        self.wait_mode = wait
+        self._poll_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
+        self._abort_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
+
+    # ---- the Transport interface ----------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def wait_mode(self) -> str:
+        """``device`` (Triton poll reporting to pinned memory) or ``host`` (D2H per poll)."""
+        return self._wait_mode
+
+    @wait_mode.setter
+    def wait_mode(self, mode: str) -> None:
+        if mode not in WAIT_MODES:
+            raise TopologyError(f"wait must be one of {WAIT_MODES}, got {mode!r}")
+        if mode == "device" and self._waiter is None:
+            from afd_transport_nvshmem.device_wait import DeviceWaiter
+
+            slots = self.window.num_regions * self.window.ring_depth
+            self._waiter = DeviceWaiter(self._flags, self._aborts, slots)
+        self._wait_mode = mode
+
+    def local_window(self) -> torch.Tensor:
+        return self._local
+
+    def peer_window(self, peer: int) -> torch.Tensor:
+        return self._peer_windows[self._check_peer(peer)]
+
+    def publish(self, peer: int, flag_index: int, value: int) -> None:
+        flags = self._peer_flags[self._check_peer(peer)]
+        if self._memops:
+            address = flags.data_ptr() + 4 * flag_index
+            stream_write_value32(address, value, torch.cuda.current_stream(self._device))
+        else:
+            flags[flag_index : flag_index + 1].fill_(value)
+
+    def wait_any(
+        self,
+        flag_indices: Sequence[int],
+        last_seen: Sequence[int],
+        timeout: float,
+        peers: Sequence[int],
+    ) -> list[int]:
+        indices, last, watched = tuple(flag_indices), tuple(last_seen), tuple(peers)
+        deadline = time.monotonic() + timeout
+        if self._wait_mode == "device":
+            return self._wait_device(indices, last, watched, deadline, timeout)
+        return self._wait_host(indices, last, watched, deadline, timeout)
+
+    def _wait_device(
+        self,
+        indices: tuple[int, ...],
+        last: tuple[int, ...],
+        peers: tuple[int, ...],
+        deadline: float,
+        timeout: float,
+    ) -> list[int]:
+        waiter = self._waiter
+        assert waiter is not None
+        next_liveness = time.monotonic() + self._liveness_interval
+        while True:
+            waiter.launch(indices, last, peers, POLL_SLICE)
+            status = waiter.status()
+            while status == 0:
+                now = time.monotonic()
+                if now >= next_liveness:
+                    self._check_alive(peers)
+                    next_liveness = now + self._liveness_interval
+                status = waiter.status()
+            if status == 1:
+                return waiter.values(len(indices))
+            if status == 3:
+                self._raise_aborted(peers)
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
+
+    def _wait_host(
+        self,
+        indices: tuple[int, ...],
+        last: tuple[int, ...],
+        peers: tuple[int, ...],
+        deadline: float,
+        timeout: float,
+    ) -> list[int]:
+        index = torch.tensor(indices, dtype=torch.long, device=self._device)
+        peer_index = torch.tensor(peers or (0,), dtype=torch.long, device=self._device)
+        expected = list(last)
+        next_liveness = time.monotonic() + self._liveness_interval
+        with torch.cuda.stream(self._poll_stream):
+            while True:
+                current = self._flags.index_select(0, index).tolist()  # one D2H per check
+                if current != expected:
+                    return [int(v) for v in current]
+                if peers and any(self._aborts.index_select(0, peer_index).tolist()):
+                    self._raise_aborted(peers)
+                now = time.monotonic()
+                if now >= next_liveness:
+                    self._check_alive(peers)
+                    next_liveness = now + self._liveness_interval
+                if now >= deadline:
+                    raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
+
+    def _raise_aborted(self, peers: Sequence[int]) -> None:
+        words = self._aborts.tolist()
+        bad = [p for p in peers if words[p] != 0]
+        raise PeerAborted(
+            f"{self._name}: {self.role.opposite.value} rank(s) {bad} aborted (see their own "
+            f"error for the cause)"
+        )
+
+    def _check_alive(self, peers: Sequence[int]) -> None:
+        dead = [p for p in peers if not process_alive(*self._peer_pids[p])]
+        if dead:
+            raise PeerAborted(
+                f"{self._name}: {self.role.opposite.value} rank(s) {dead} "
+                f"(pid {[self._peer_pids[p][0] for p in dead]}) exited"
+            )
+
+    def abort(self) -> None:
+        if self._closed or self._aborted:
+            return
+        self._aborted = True
+        with torch.cuda.stream(self._abort_stream):  # not behind a stuck compute stream
+            for aborts in self._peer_aborts:
+                aborts[self.rank : self.rank + 1].fill_(1)
+        self._abort_stream.synchronize()
+
+    def close(self) -> None:
+        """Collective teardown when every rank got here cleanly; otherwise leave it to exit."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._aborted or self._heap_address == 0:
+            return
+        topo = self.topology
+        self._store.set(f"afd/close/{self._world}", b"1")
+        try:
+            for w in range(topo.world_size):
+                self._store.get(f"afd/close/{w}")
+        except PeerTimeout:
+            return  # a peer never got here: a collective free would hang
+        torch.cuda.synchronize(self._device)
+        for name in ("_local", "_flags", "_aborts", "_peer_windows", "_peer_flags", "_peer_aborts"):
+            self.__dict__.pop(name, None)
+        self._waiter = None
+        self._lib.barrier_all()
+        self._lib.free(self._heap_address)
+        self._heap_address = 0
+        self._lib.finalize()
+
+    def _check_peer(self, peer: int) -> int:
+        if not 0 <= peer < self.num_peers:
+            raise TopologyError(
+                f"{self._name}: peer {peer} is outside [0, {self.num_peers}) "
+                f"{self.role.opposite.value} ranks"
+            )
+        return peer

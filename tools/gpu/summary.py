@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Print the GPU suite's summary table from its JUnit XML and benchmark JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REFERENCE_PEER_COPY_GBS = 394.0
+"""One-sided peer copy_ measured on the project's 2xH200 host (ARCHITECTURE.md)."""
+
+
+def main(folder: str) -> int:
+    root = Path(folder)
+    rows: list[tuple[str, str, str]] = []
+    failed = 0
+    xml = root / "gpu-tests.xml"
+    if xml.exists():
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            name = case.get("name", "?")
+            if case.find("failure") is not None or case.find("error") is not None:
+                outcome = "FAIL"
+                failed += 1
+            elif case.find("skipped") is not None:
+                outcome = "skip"
+            else:
+                outcome = "pass"
+            rows.append(("test", name, outcome))
+    else:
+        rows.append(("test", "(no junit xml)", "FAIL"))
+        failed += 1
+    bench = root / "bench-nvshmem.json"
+    if bench.exists():
+        report = json.loads(bench.read_text())
+        for key, value in report.get("latency_us", {}).items():
+            target = "target <= 5 us" if value <= 5 else "above 5 us"
+            rows.append(("latency", key, f"{value:.2f} us ({target})"))
+        for size, r in report.get("bandwidth", {}).items():
+            n = int(size)
+            gbs = n / r["window"] / 1e9
+            versus = gbs / REFERENCE_PEER_COPY_GBS
+            target = (
+                (" (target >= 0.90)" if versus >= 0.9 else " (BELOW 0.90)") if n >= 16 << 20 else ""
+            )
+            rows.append(
+                (
+                    "bandwidth",
+                    f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB",
+                    f"{gbs:.0f} GB/s = {versus:.2f} of the {REFERENCE_PEER_COPY_GBS:.0f} GB/s "
+                    f"reference{target}; torch peer copy_ {n / r['peer_copy'] / 1e9:.0f} GB/s",
+                )
+            )
+        for key, seconds in report.get("layer", {}).items():
+            rows.append(("layer 1A1F", key, f"{seconds * 1e3:.2f} ms"))
+    else:
+        rows.append(("bench", "(no benchmark json)", "FAIL"))
+        failed += 1
+    width = max(len(r[1]) for r in rows)
+    print("\nGPU suite summary")
+    for kind, name, outcome in rows:
+        print(f"  {kind:10s} {name:{width}s}  {outcome}")
+    print(f"{sum(r[2] == 'pass' for r in rows)} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "build/gpu-suite"))

@@ -1,0 +1,268 @@
+"""``afd bench transport --backend nvshmem``: NVSHMEM windows between two GPUs.
+
+Side by side in one run:
+
+* bandwidth -- one-sided ``copy_`` into the peer's mapped window (64 KB .. 256 MB) beside a
+  plain peer ``copy_`` of the same bytes into a tensor on the other GPU (the floor);
+* arrival latency, one way (round trip / 2) -- host-polled ``wait_any`` (one D2H copy per
+  check), device ``wait_any`` (a Triton poll reporting to pinned host memory), stream
+  memory operations (``cuStreamWaitValue32``/``cuStreamWriteValue32``, no host in the
+  loop) and a persistent Triton ping-pong kernel (no host in the loop);
+* dispatch + combine per layer, 1 attention x 1 FFN, DeepSeek-V2-Lite shapes (hidden
+  2048 bf16, 64 experts top-6), identity FFN, with device and host waits.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from afd_protocol import (
+    AttentionEndpoint,
+    ConnectorShutdown,
+    FFNEndpoint,
+    Role,
+    SlotLayout,
+    Topology,
+    Transport,
+)
+from afd_protocol.host import launch
+from afd_protocol.host.launcher import RankSpec
+from afd_tools.bench.stats import human_bytes
+
+SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+LAYER_TOKENS = [1024, 4096, 16384]
+HIDDEN, EXPERTS, TOPK = 2048, 64, 6
+
+
+def _log(t: Transport, message: str) -> None:
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {t.role.value} {t.rank}: {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def _sync_both() -> None:
+    for d in range(min(2, torch.cuda.device_count())):
+        torch.cuda.synchronize(d)
+
+
+def _timed(fn: Any, repeats: int) -> float:
+    fn()
+    _sync_both()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync_both()
+    return (time.perf_counter() - start) / repeats
+
+
+def _pingpong_transport(t: Transport, ring: int, iterations: int) -> list[float]:
+    window = t.window
+    out_flag = window.flag_index(t.rank, ring)
+    in_flag = window.flag_index(0, ring)
+    seen = int(t.local_window()[window.flags_offset :].view(torch.int32)[in_flag])
+    base = seen
+    samples = []
+    for i in range(base + 1, base + iterations + 1):
+        start = time.perf_counter()
+        if t.role is Role.ATTENTION:
+            t.publish(0, out_flag, i)
+            (seen,) = t.wait_any([in_flag], [seen], 30.0, [0])
+            samples.append(time.perf_counter() - start)
+        else:
+            (seen,) = t.wait_any([in_flag], [seen], 30.0, [0])
+            t.publish(0, out_flag, seen)
+    torch.cuda.synchronize(t.device)
+    return samples
+
+
+def _latency_and_bandwidth(t: Transport, iterations: int, repeats: int) -> dict[str, Any]:
+    from afd_transport_nvshmem.cuda_memory import (
+        stream_memops_available,
+        stream_wait_value32_geq,
+        stream_write_value32,
+    )
+    from afd_transport_nvshmem.device_wait import pingpong
+
+    report: dict[str, Any] = {}
+    for ring, mode in ((0, "host"), (1, "device")):
+        _log(t, f"wait_any ping-pong, {mode} waits")
+        t.wait_mode = mode  # type: ignore[attr-defined]
+        samples = _pingpong_transport(t, ring, iterations)[iterations // 10 :]
+        if samples:
+            report[f"wait_any_{mode}_us"] = statistics.median(samples) / 2 * 1e6
+    window = t.window
+    local_flags = t.local_window()[window.flags_offset :].view(torch.int32)
+    peer_flags = t.peer_window(0)[window.flags_offset :].view(torch.int32)
+    stream = torch.cuda.current_stream(t.device)
+    initiator = t.role is Role.ATTENTION
+    if stream_memops_available():
+        _log(t, "stream memory operations ping-pong")
+        flag = window.flag_index(0, 2)
+        mine = window.flag_index(t.rank, 2)
+        local_addr = local_flags.data_ptr() + 4 * flag
+        peer_addr = peer_flags.data_ptr() + 4 * mine
+        _pingpong_transport(t, 3, 3)  # line both sides up
+        start, end = _event(), _event()
+        start.record(stream)
+        for i in range(1, iterations + 1):
+            if initiator:
+                stream_write_value32(peer_addr, i, stream)
+                stream_wait_value32_geq(local_addr, i, stream)
+            else:
+                stream_wait_value32_geq(local_addr, i, stream)
+                stream_write_value32(peer_addr, i, stream)
+        end.record(stream)
+        end.synchronize()
+        report["stream_memops_us"] = start.elapsed_time(end) * 1e3 / iterations / 2
+    _log(t, "barrier")
+    _pingpong_transport(t, 3, 3)
+    flag = window.flag_index(0, 2)
+    mine = window.flag_index(t.rank, 2)
+    local_word = local_flags[flag : flag + 1]
+    peer_word = peer_flags[mine : mine + 1]
+    local_word.zero_()
+    pingpong(local_word, peer_word, 0, initiator)  # compile before the clock starts
+    torch.cuda.synchronize(t.device)
+    _pingpong_transport(t, 3, 3)
+    _log(t, "persistent Triton ping-pong")
+    start, end = _event(), _event()
+    start.record(stream)
+    pingpong(local_word, peer_word, iterations, initiator)
+    end.record(stream)
+    end.synchronize()
+    report["triton_kernel_us"] = start.elapsed_time(end) * 1e3 / iterations / 2
+
+    _log(t, "bandwidth")
+    if initiator:  # bandwidth: only the attention rank writes
+        rows_at = window.field_offset(t.rank, 0, "routed_rows")
+        peer = t.peer_window(0)
+        other = torch.device("cuda", (t.device.index + 1) % torch.cuda.device_count())
+        bandwidth = {}
+        for size in SIZES:
+            if rows_at + size > peer.numel():
+                continue
+            src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=t.device)
+            dst = peer[rows_at : rows_at + size]
+            plain = torch.empty(size, dtype=torch.uint8, device=other)
+            reps = max(3, min(5 * repeats, (4 << 30) // size))
+            bandwidth[str(size)] = {
+                "window": _timed(partial(dst.copy_, src), reps),
+                "peer_copy": _timed(partial(plain.copy_, src, non_blocking=True), reps),
+            }
+            ok = bool(torch.equal(dst[:4096].cpu(), src[:4096].cpu()))
+            bandwidth[str(size)]["checked"] = ok
+        report["bandwidth"] = bandwidth
+    _pingpong_transport(t, 3, 3)  # the FFN side waits here until the writer is done
+    _log(t, "done")
+    return report
+
+
+def _layer_attention(t: Transport, tokens: list[int], repeats: int) -> dict[str, float]:
+    endpoint = AttentionEndpoint(t, timeout=120.0)
+    gen = torch.Generator(device=t.device).manual_seed(0)
+    results = {}
+    for mode in ("device", "host"):
+        t.wait_mode = mode  # type: ignore[attr-defined]
+        for n in tokens:
+            x = torch.randn(n, HIDDEN, device=t.device, generator=gen).to(torch.bfloat16)
+            ids = torch.rand(n, EXPERTS, device=t.device, generator=gen).topk(TOPK, -1).indices
+            w = torch.rand(n, TOPK, device=t.device, generator=gen)
+            for _ in range(2):
+                endpoint.combine(endpoint.dispatch(0, x, ids, w))
+            torch.cuda.synchronize(t.device)
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                endpoint.combine(endpoint.dispatch(0, x, ids, w))
+                torch.cuda.synchronize(t.device)
+                samples.append(time.perf_counter() - start)
+            results[f"{mode}/{n}"] = statistics.median(samples)
+    endpoint.announce_shutdown()
+    return results
+
+
+def _layer_ffn_identity(t: Transport) -> int:
+    endpoint = FFNEndpoint(t, timeout=120.0)
+    served = 0
+    while True:
+        try:
+            item = endpoint.next_work_item()
+        except ConnectorShutdown:
+            return served
+        endpoint.reply(item, torch.cat([p.routed_rows for p in item.parts]))
+        served += 1
+
+
+def run(args: Any) -> dict[str, Any]:
+    from afd_transport_nvshmem.launch_support import nvshmem_transport
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("afd bench transport --backend nvshmem needs two CUDA GPUs")
+    report: dict[str, Any] = {
+        "backend": "nvshmem",
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
+    rows = max(SIZES) // (4096 * 2)
+    big = SlotLayout(Topology(1, 1, 1), 4096, rows, 1, routed_cap_multiplier=1.0).window(
+        ring_depth=4
+    )
+    specs = [
+        RankSpec(
+            role,
+            0,
+            _latency_and_bandwidth,
+            {"iterations": args.iterations, "repeats": args.repeats},
+        )
+        for role in Role
+    ]
+    micro = launch(big, specs, timeout=600, transport_factory=nvshmem_transport)
+    attention = micro["attention rank 0"].value
+    report["latency_us"] = {k: v for k, v in attention.items() if k.endswith("_us")}
+    report["bandwidth"] = attention["bandwidth"]
+    print(f"NVSHMEM transport on {report['gpu']} x2, torch {report['torch']}")
+    print("\narrival latency, one way (round trip / 2, median):")
+    for key, value in report["latency_us"].items():
+        print(f"  {key[:-3]:22s} {value:8.2f} us")
+    print("\none-sided copy_ into the peer window; beside it the 394 GB/s reference measured on")
+    print("this host (ARCHITECTURE.md) and torch's own cross-device copy_ of the same bytes:")
+    print(f"  {'size':>8} {'window GB/s':>12} {'/ 394':>6} {'torch peer copy_ GB/s':>22} check")
+    for size, r in report["bandwidth"].items():
+        n = int(size)
+        ours, torch_copy = n / r["window"] / 1e9, n / r["peer_copy"] / 1e9
+        print(
+            f"  {human_bytes(n):>8} {ours:12.1f} {ours / 394.0:6.2f} {torch_copy:22.1f} "
+            f"{'ok' if r['checked'] else 'MISMATCH'}"
+        )
+
+    tokens = [n for n in LAYER_TOKENS if n <= args.max_tokens]
+    layer = SlotLayout(
+        Topology(1, 1, EXPERTS), HIDDEN, max(tokens), TOPK, dtype="bfloat16"
+    ).window()
+    specs = [
+        RankSpec(Role.ATTENTION, 0, _layer_attention, {"tokens": tokens, "repeats": args.repeats}),
+        RankSpec(Role.FFN, 0, _layer_ffn_identity),
+    ]
+    per_layer = launch(layer, specs, timeout=600, transport_factory=nvshmem_transport)
+    times = per_layer["attention rank 0"].value
+    report["layer"] = times
+    print(
+        f"\ndispatch + combine per layer, 1A1F, hidden {HIDDEN} bf16, {EXPERTS} experts "
+        f"top-{TOPK}, identity FFN (median ms)"
+    )
+    print(f"  {'tokens':>6} {'device wait':>12} {'host poll':>10}")
+    for n in tokens:
+        print(f"  {n:6d} {times[f'device/{n}'] * 1e3:12.2f} {times[f'host/{n}'] * 1e3:10.2f}")
+    return report
