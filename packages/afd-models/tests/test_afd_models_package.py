@@ -1,5 +1,9 @@
 """Packaging checks: the installed distribution is importable and self-consistent."""
 
+from __future__ import annotations
+
+import subprocess
+import sys
 from importlib import resources
 from importlib.metadata import distribution
 
@@ -10,9 +14,29 @@ def test_version_matches_installed_distribution() -> None:
     assert afd_models.__version__ == distribution("afd-models").version
 
 
-def test_declares_that_it_is_not_implemented_yet() -> None:
-    assert afd_models.IMPLEMENTED is False
-
-
 def test_ships_type_information() -> None:
     assert resources.files(afd_models).joinpath("py.typed").is_file()
+
+
+def test_everything_in_all_is_importable() -> None:
+    for name in afd_models.__all__:
+        assert getattr(afd_models, name) is not None, name
+
+
+def test_declares_its_dependencies() -> None:
+    requires = distribution("afd-models").requires or []
+    names = {
+        r.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip()
+        for r in requires
+    }
+    assert {"afd-protocol", "torch", "safetensors"} <= names
+
+
+def test_never_imports_vllm() -> None:
+    """afd_models must stay importable and vLLM-free: backends register from outside."""
+    code = (
+        "import sys, afd_models, afd_models.backends; "
+        "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

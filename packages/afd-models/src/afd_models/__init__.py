@@ -1,16 +1,112 @@
-"""Engine-agnostic DeepSeek-V2/V3 MoE model pieces for afd.
+"""Engine-agnostic DeepSeek-V2/V3 MoE model pieces for afd, in plain torch.
 
-Not implemented yet (issue: afd-models). It will hold the configuration, MLA attention,
-router, shared and routed experts, a monolithic reference model and the attention/FFN
-role split.
+* :class:`DeepseekConfig` (from a Hugging Face ``config.json``) and :func:`preset`
+  (``tiny``, ``v2-lite``, ``v3-mini``, ``v3-slice``).
+* Weights: :class:`RandomWeights` (deterministic per parameter name),
+  :class:`SafetensorsWeights`, :func:`save_checkpoint`, :class:`WeightSelection` (what
+  each role materialises).
+* Layers: :class:`RMSNorm`, :class:`RotaryEmbedding` (YaRN), :class:`MLAttention`,
+  :class:`GatedMLP`, :class:`Router`, :class:`ExpertWeights`, :class:`MoELayer`.
+* Expert backends by name: ``reference``, ``grouped_mm``, and
+  :func:`register_expert_backend` for more.
+* :class:`MonolithicModel` (the reference), :class:`AttentionRoleModel` and
+  :class:`FFNRoleExecutor` (the role split over ``afd_protocol`` endpoints).
 """
 
 from importlib.metadata import PackageNotFoundError, version
+
+from afd_models.attention import MLAttention
+from afd_models.attention_role import AttentionRoleModel, AttentionRunStats
+from afd_models.backends import (
+    ExpertBackend,
+    GroupedMMBackend,
+    ReferenceBackend,
+    expert_backend_names,
+    get_expert_backend,
+    register_expert_backend,
+    unregister_expert_backend,
+)
+from afd_models.batch import PrefixKV, PromptBatch, Segment, Stage
+from afd_models.config import DeepseekConfig, RopeScaling
+from afd_models.errors import BackendUnavailable, ConfigError, WeightsError
+from afd_models.experts import ExpertWeights, GroupedRows
+from afd_models.ffn_role import FFNRoleExecutor, ServeStats
+from afd_models.mlp import GatedMLP
+from afd_models.moe import MoELayer, routed_experts
+from afd_models.monolithic import MonolithicModel
+from afd_models.norm import RMSNorm
+from afd_models.output import PrefillOutput
+from afd_models.params import (
+    ModelParams,
+    ParamKind,
+    ParamSpec,
+    WeightSelection,
+    is_routed_expert,
+)
+from afd_models.presets import PRESET_NAMES, preset
+from afd_models.rotary import RotaryEmbedding
+from afd_models.router import Router, Routing
+from afd_models.scaling import BranchScales
+from afd_models.weights import (
+    RandomWeights,
+    SafetensorsWeights,
+    WeightSource,
+    materialize,
+    save_checkpoint,
+    save_safetensors,
+)
 
 try:
     __version__ = version("afd-models")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-IMPLEMENTED = False
-"""False until this package provides its functionality; callers can check it."""
+__all__ = [
+    "PRESET_NAMES",
+    "AttentionRoleModel",
+    "AttentionRunStats",
+    "BackendUnavailable",
+    "BranchScales",
+    "ConfigError",
+    "DeepseekConfig",
+    "ExpertBackend",
+    "ExpertWeights",
+    "FFNRoleExecutor",
+    "GatedMLP",
+    "GroupedMMBackend",
+    "GroupedRows",
+    "MLAttention",
+    "MoELayer",
+    "ModelParams",
+    "MonolithicModel",
+    "ParamKind",
+    "ParamSpec",
+    "PrefillOutput",
+    "PrefixKV",
+    "PromptBatch",
+    "RMSNorm",
+    "RandomWeights",
+    "ReferenceBackend",
+    "RopeScaling",
+    "RotaryEmbedding",
+    "Router",
+    "Routing",
+    "SafetensorsWeights",
+    "Segment",
+    "ServeStats",
+    "Stage",
+    "WeightSelection",
+    "WeightSource",
+    "WeightsError",
+    "__version__",
+    "expert_backend_names",
+    "get_expert_backend",
+    "is_routed_expert",
+    "materialize",
+    "preset",
+    "register_expert_backend",
+    "routed_experts",
+    "save_checkpoint",
+    "save_safetensors",
+    "unregister_expert_backend",
+]

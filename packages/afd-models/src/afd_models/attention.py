@@ -1,0 +1,107 @@
+"""Multi-head latent attention (MLA) for prefill: causal, per request, in chunks.
+
+Prefill uses the straightforward form: queries from ``q_proj`` (or the low-rank
+``q_a_proj -> q_a_layernorm -> q_b_proj``), a shared compressed latent and one rotary
+key per token from ``kv_a_proj_with_mqa``, per-head keys/values expanded from the
+normalised latent by ``kv_b_proj``. Each request attends causally to itself only;
+a segment that starts mid-request (a later stage) attends to the request's earlier
+tokens through :class:`~afd_models.batch.PrefixKV`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn import functional as nnf
+
+from afd_models.batch import PrefixKV, Segment
+from afd_models.config import DeepseekConfig
+from afd_models.norm import RMSNorm
+from afd_models.params import ParamSpec
+from afd_models.rotary import RotaryEmbedding
+from afd_models.weights import WeightSource
+
+
+class MLAttention:
+    """One layer's MLA projections and the causal attention over a stage's segments."""
+
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        layer: int,
+        specs: dict[str, ParamSpec],
+        source: WeightSource,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.layer = layer
+        self.rotary = rotary
+        names = [n for n in specs if n not in ("input_layernorm", "post_attention_layernorm")]
+        self.weights = {n: source.get(specs[n], dtype, device) for n in names}
+        self.names = {n: specs[n].name for n in names}
+        eps = config.rms_norm_eps
+        self.q_a_norm = (
+            RMSNorm(self.weights["q_a_layernorm"], eps) if "q_a_layernorm" in self.weights else None
+        )
+        self.kv_a_norm = RMSNorm(self.weights["kv_a_layernorm"], eps)
+        self.scale = config.softmax_scale
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {self.names[n]: t for n, t in self.weights.items()}
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        if self.q_a_norm is None:
+            return nnf.linear(x, w["q_proj"])
+        return nnf.linear(self.q_a_norm(nnf.linear(x, w["q_a_proj"])), w["q_b_proj"])
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        segments: Sequence[Segment],
+        prefix: PrefixKV,
+    ) -> torch.Tensor:
+        """Attention output ``[t, H]`` for the rows of ``x`` (one stage)."""
+        c = self.config
+        t, heads = x.shape[0], c.num_attention_heads
+        nope, rope, vdim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        q_nope, q_pe = torch.split(self._queries(x).view(t, heads, nope + rope), [nope, rope], -1)
+        compressed = nnf.linear(x, self.weights["kv_a_proj_with_mqa"])
+        latent, k_pe = torch.split(compressed, [c.kv_lora_rank, rope], -1)
+        kv = nnf.linear(self.kv_a_norm(latent), self.weights["kv_b_proj"]).view(
+            t, heads, nope + vdim
+        )
+        k_nope, values = torch.split(kv, [nope, vdim], -1)
+        cos, sin = self.rotary.cos_sin(positions)
+        q_pe = self.rotary(q_pe, cos, sin)
+        k_pe = self.rotary(k_pe.reshape(t, 1, rope), cos, sin)
+        queries = torch.cat((q_nope, q_pe), dim=-1)
+        keys = torch.cat((k_nope, k_pe.expand(t, heads, rope)), dim=-1)
+        out = x.new_empty(t, heads, vdim)
+        for seg in segments:
+            q = queries[seg.rows]
+            k, v = keys[seg.rows], values[seg.rows]
+            if seg.start or not seg.ends_request:
+                k, v = prefix.extend(self.layer, seg, k, v)
+            out[seg.rows] = self._attend(q, k, v, seg.start)
+        return nnf.linear(out.reshape(t, heads * vdim), self.weights["o_proj"])
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Causal attention of queries at positions ``start..`` over keys ``0..``."""
+        # [1, heads, len, d]: with a batch dimension, fused kernels (cuDNN, flash,
+        # memory-efficient) apply; 3-D inputs fall back to the unfused math kernel.
+        q_, k_, v_ = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
+        if start == 0:
+            out = nnf.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale)
+        else:
+            qpos = torch.arange(start, start + q.shape[0], device=q.device)
+            kpos = torch.arange(k.shape[0], device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            out = nnf.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale)
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,140 @@
+"""The attention role: the model minus its routed experts, talking to FFN ranks.
+
+It holds the embeddings, attention, dense MLPs, routers, the lm head, and the shared
+experts when they run on this side (``shared_placement="attention"``, seed 002: they
+are computed locally between dispatch and combine, overlapping the remote routed work).
+At each MoE layer it routes, dispatches the normed rows to the FFN ranks through an
+:class:`~afd_protocol.AttentionEndpoint` with the top-k weights times the routed scale
+(the weights stay here and are applied in the combine), and later combines. The routed
+experts are never materialised in this process.
+
+With ``num_stages > 1`` the batch is cut into token-level stages and run on the
+schedule of :mod:`afd_models.schedule`: stage ``i+1``'s attention is issued while stage
+``i`` is at the FFN. The window's ``ring_depth`` must be at least the number of stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from afd_models._common import resolve
+from afd_models.batch import PromptBatch
+from afd_models.config import DeepseekConfig
+from afd_models.errors import ConfigError
+from afd_models.output import PrefillOutput
+from afd_models.params import shared_placement_of
+from afd_models.schedule import run_prefill
+from afd_models.trunk import Trunk
+from afd_models.weights import WeightSource
+from afd_protocol import AttentionEndpoint, PendingDispatch, SharedPlacement
+
+
+@dataclass
+class AttentionRunStats:
+    """What the last forward did at the MoE layers."""
+
+    dispatches: int = 0
+    combine_wait_s: float = 0.0
+    """Time spent inside ``combine`` (waiting for the FFN ranks, then the weighted sum)."""
+    max_in_flight: int = 0
+    stages: int = 0
+    layers: list[int] = field(default_factory=list)
+
+
+class AttentionRoleModel:
+    """The attention side of the role split (see the module docstring).
+
+    ``weights`` defaults to ``RandomWeights(seed=0)``.
+    """
+
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        weights: WeightSource | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        shared_placement: SharedPlacement | str = SharedPlacement.ATTENTION,
+    ) -> None:
+        source, self.dtype, self.device = resolve(weights, dtype, device)
+        self.config = config
+        self.shared_placement = shared_placement_of(shared_placement)
+        self.trunk = Trunk(
+            config,
+            source,
+            dtype=dtype,
+            device=self.device,
+            with_shared=self.shared_placement is SharedPlacement.ATTENTION,
+        )
+        self.stats = AttentionRunStats()
+
+    def forward(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        endpoint: AttentionEndpoint,
+        *,
+        num_stages: int = 1,
+        compute_logits: bool = True,
+    ) -> PrefillOutput:
+        """Prefill ``prompts`` with the routed experts served through ``endpoint``."""
+        if endpoint.dtype != self.dtype:
+            raise ConfigError(
+                f"the window carries {endpoint.dtype} but this model runs in {self.dtype}; "
+                f"build the SlotLayout with the model's dtype"
+            )
+        batch = PromptBatch.from_prompts(prompts, self.device)
+        self.stats = AttentionRunStats()
+        remote = _RemoteMoE(self, endpoint)
+        with torch.inference_mode():
+            out = run_prefill(
+                self.trunk, batch, remote, num_stages=num_stages, compute_logits=compute_logits
+            )
+        self.stats.stages = len(batch.stages(num_stages))
+        return out
+
+    __call__ = forward
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor this role holds, by checkpoint name (no routed expert among them)."""
+        return self.trunk.tensors()
+
+
+class _RemoteMoE:
+    """MoE execution through an endpoint: ``begin`` dispatches, ``end`` combines."""
+
+    def __init__(self, model: AttentionRoleModel, endpoint: AttentionEndpoint) -> None:
+        self.model = model
+        self.endpoint = endpoint
+        self.routed_scale = model.trunk.scales.routed
+
+    def begin(self, layer: int, stage: int, x: torch.Tensor) -> Any:
+        routing = self.model.trunk.router(layer)(x)
+        weights = routing.topk_weights
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
+        pending = self.endpoint.dispatch(layer, x, routing.topk_ids, weights, stage=stage)
+        if pending.plan.shared_placement is not self.model.shared_placement:
+            raise ConfigError(
+                f"the window's shared_placement is {pending.plan.shared_placement.value!r} but "
+                f"this AttentionRoleModel was built for {self.model.shared_placement.value!r}; "
+                f"build both from the same setting"
+            )
+        stats = self.model.stats
+        stats.dispatches += 1
+        stats.layers.append(layer)
+        stats.max_in_flight = max(stats.max_in_flight, self.endpoint.in_flight)
+        # Shared experts (when they run here) overlap the FFN ranks' routed work.
+        return pending, self.model.trunk.shared_experts(layer, x)
+
+    def end(self, handle: Any) -> torch.Tensor:
+        pending: PendingDispatch = handle[0]
+        shared: torch.Tensor | None = handle[1]
+        start = time.perf_counter()
+        out = self.endpoint.combine(pending).to(self.model.device)
+        self.model.stats.combine_wait_s += time.perf_counter() - start
+        return out if shared is None else out + shared

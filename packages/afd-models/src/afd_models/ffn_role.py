@@ -1,0 +1,157 @@
+"""The FFN role: one rank's routed experts for every MoE layer, serving work items.
+
+A work item (one attention replica x one layer x one stage) arrives already grouped by
+local expert with a group list per part; the executor never routes. Each part's rows go
+through the expert backend (expert id per row expanded from the group list, unit
+weight) and the outputs are replied in the same order; the attention side applies the
+top-k weights when it combines. With ``shared_placement="ffn"`` (seed 000) this rank
+also holds the shared experts and computes the shared branch of the tokens assigned to
+it, scaled by the same float16 rule as everywhere else (:mod:`afd_models.scaling`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from afd_models._common import resolve
+from afd_models.backends import ExpertBackend, get_expert_backend
+from afd_models.config import DeepseekConfig
+from afd_models.errors import ConfigError
+from afd_models.experts import ExpertWeights, GroupedRows
+from afd_models.mlp import GatedMLP
+from afd_models.params import ModelParams, shared_placement_of
+from afd_models.scaling import BranchScales
+from afd_models.weights import WeightSource
+from afd_protocol import ConnectorShutdown, FFNEndpoint, SharedPlacement, WorkItem
+
+
+@dataclass
+class ServeStats:
+    """What :meth:`FFNRoleExecutor.serve` did."""
+
+    items: int = 0
+    routed_rows: int = 0
+    shared_rows: int = 0
+    busy_s: float = 0.0
+    """Time spent computing and replying (the rest was waiting for work)."""
+    served: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(replica, layer, stage)`` of every item, in service order."""
+
+
+class FFNRoleExecutor:
+    """Routed experts of one FFN rank (see the module docstring).
+
+    ``weights`` defaults to ``RandomWeights(seed=0)``.
+    """
+
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        local_experts: Sequence[int],
+        weights: WeightSource | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        backend: str | ExpertBackend = "reference",
+        shared_placement: SharedPlacement | str = SharedPlacement.ATTENTION,
+    ) -> None:
+        source, self.dtype, self.device = resolve(weights, dtype, device)
+        self.config = config
+        self.local_experts = tuple(local_experts)
+        bad = [e for e in self.local_experts if not 0 <= e < config.n_routed_experts]
+        if bad or not self.local_experts:
+            raise ConfigError(
+                f"local_experts must be a non-empty list of ids in [0, "
+                f"{config.n_routed_experts}); got {list(self.local_experts)}"
+            )
+        self.shared_placement = shared_placement_of(shared_placement)
+        self.backend = get_expert_backend(backend)
+        self.scales = BranchScales.for_dtype(config.routed_scaling_factor, dtype)
+        params = ModelParams(config)
+        self.experts: dict[int, ExpertWeights] = {}
+        self.shared: dict[int, GatedMLP] = {}
+        for layer in config.moe_layers:
+            self.experts[layer] = ExpertWeights.load(
+                config, layer, self.local_experts, source, dtype, self.device
+            )
+            shared = params.shared_experts(layer)
+            if self.shared_placement is SharedPlacement.FFN and shared:
+                self.shared[layer] = GatedMLP.load(shared, source, dtype, self.device)
+
+    def compute(self, item: WorkItem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(routed_out, shared_out)`` for ``item``, parts concatenated in order."""
+        experts = self.experts.get(item.layer)
+        if experts is None:
+            raise ConfigError(
+                f"work item for layer {item.layer}, which is not an MoE layer of this model "
+                f"(MoE layers: {list(self.config.moe_layers)}); both roles must use one config"
+            )
+        routed: list[torch.Tensor] = []
+        shared: list[torch.Tensor] = []
+        for part in item.parts:
+            rows = part.routed_rows
+            if rows.dtype != self.dtype:
+                raise ConfigError(
+                    f"the window carries {rows.dtype} but this executor runs in {self.dtype}"
+                )
+            work = GroupedRows(rows.to(self.device), part.group_list)
+            routed.append(self.backend(work, experts))
+            if part.shared_rows.shape[0]:
+                shared.append(self._shared(item.layer, part.shared_rows.to(self.device)))
+        routed_out = torch.cat(routed) if routed else self._empty()
+        return routed_out, (torch.cat(shared) if shared else None)
+
+    def _shared(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.shared_placement is not SharedPlacement.FFN:
+            raise ConfigError(
+                "received shared-expert rows, but this FFN executor was built with "
+                "shared_placement='attention'; build both roles from the same setting"
+            )
+        mlp = self.shared.get(layer)
+        if mlp is None:  # n_shared_experts == 0: the shared branch is zero
+            return torch.zeros_like(rows)
+        out = mlp(rows)
+        return out if self.scales.shared == 1.0 else out * self.scales.shared
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+
+    def serve(self, endpoint: FFNEndpoint, *, timeout: float | None = None) -> ServeStats:
+        """Serve work items until every attention rank has shut down.
+
+        ``timeout`` bounds each wait for the next item (``PeerTimeout`` when exceeded);
+        ``None`` uses the endpoint's own timeout.
+        """
+        if tuple(endpoint.local_experts) != self.local_experts:
+            raise ConfigError(
+                f"this executor holds experts {list(self.local_experts)} but FFN rank "
+                f"{endpoint.rank} owns {list(endpoint.local_experts)}"
+            )
+        stats = ServeStats()
+        with torch.inference_mode():
+            while True:
+                try:
+                    item = endpoint.next_work_item(timeout)
+                except ConnectorShutdown:
+                    return stats
+                start = time.perf_counter()
+                routed, shared = self.compute(item)
+                endpoint.reply(item, routed.to(endpoint.dtype), shared)
+                stats.busy_s += time.perf_counter() - start
+                stats.items += 1
+                stats.routed_rows += item.num_routed_rows
+                stats.shared_rows += sum(p.shared_rows.shape[0] for p in item.parts)
+                stats.served.append((item.replica, item.layer, item.stage))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor this rank holds, by checkpoint name."""
+        out: dict[str, torch.Tensor] = {}
+        for layer, experts in self.experts.items():
+            out.update(experts.tensors(self.config))
+            if layer in self.shared:
+                out.update(self.shared[layer].tensors())
+        return out

@@ -1,0 +1,68 @@
+"""The layer-by-stage schedule that both execution paths share.
+
+For each layer, each stage in turn: finish its MoE from the previous layer (if any),
+run this layer's attention, then either the dense MLP or *begin* the MoE. With ``N``
+stages, stage ``i`` of layer ``l`` begins its MoE and stage ``i+1`` runs its attention
+while stage ``i``'s MoE is still out at the FFN ranks; stage ``i`` finishes it only
+when its turn at layer ``l+1`` comes. So at most one MoE per stage is in flight (a ring
+depth of ``N`` suffices) and attention overlaps the FFN whenever ``N > 1``. Within a
+layer, stages run in order, which is what the prefix cache of a request cut by a stage
+boundary needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from afd_models.batch import PrefixKV, PromptBatch
+from afd_models.output import PrefillOutput
+from afd_models.trunk import Trunk
+
+
+class MoEExecution(Protocol):
+    """How one path runs an MoE layer: begin (may return at once), then end."""
+
+    def begin(self, layer: int, stage: int, x: torch.Tensor) -> Any:
+        """Start the MoE of ``layer`` for ``stage`` on its post-attention-normed rows."""
+
+    def end(self, handle: Any) -> torch.Tensor:
+        """Finish what :meth:`begin` started; the MoE output ``[t, H]`` in the model dtype."""
+
+
+def run_prefill(
+    trunk: Trunk,
+    batch: PromptBatch,
+    moe: MoEExecution,
+    *,
+    num_stages: int = 1,
+    compute_logits: bool = True,
+) -> PrefillOutput:
+    """Run ``batch`` through every layer with ``num_stages`` stages (module docstring)."""
+    config = trunk.config
+    stages = batch.stages(num_stages)
+    positions = batch.positions()
+    prefix = PrefixKV()
+    hidden = [trunk.embed_tokens(batch.token_ids[s.begin : s.end]) for s in stages]
+    stage_positions = [positions[s.begin : s.end] for s in stages]
+    pending: list[Any] = [None] * len(stages)
+    for layer in range(config.num_hidden_layers):
+        moe_layer = config.is_moe_layer(layer)
+        for i, stage in enumerate(stages):
+            if pending[i] is not None:
+                hidden[i] = hidden[i] + moe.end(pending[i])
+                pending[i] = None
+            hidden[i], x = trunk.attention_block(
+                layer, hidden[i], stage_positions[i], stage.segments, prefix
+            )
+            if moe_layer:
+                pending[i] = moe.begin(layer, i, x)
+            else:
+                hidden[i] = hidden[i] + trunk.dense_mlp(layer, x)
+    for i in range(len(stages)):
+        if pending[i] is not None:
+            hidden[i] = hidden[i] + moe.end(pending[i])
+    final = trunk.final_norm(torch.cat(hidden))
+    logits = trunk.logits(final.index_select(0, batch.last_rows())) if compute_logits else None
+    return PrefillOutput(final, batch.lengths, logits)

@@ -1,0 +1,23 @@
+"""Shared test set-up: make the helper modules (the naive reference and the rank programs
+spawned by the multi-process tests) importable, and check that no test leaves a
+shared-memory segment behind."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned children inherit sys.path
+
+from afd_protocol.host import leftover_segments
+
+
+@pytest.fixture(autouse=True, scope="session")
+def afd_models_no_shared_memory_leaks() -> Iterator[None]:
+    before = set(leftover_segments())
+    yield
+    leaked = set(leftover_segments()) - before
+    assert not leaked, f"tests leaked shared-memory segments: {sorted(map(str, leaked))}"

@@ -1,0 +1,83 @@
+"""The same model on an NVIDIA GPU: equal to the CPU model; grouped_mm on the device.
+
+Skipped without CUDA (the CPU CI machine); run on a GPU host with
+``python -m pytest -m gpu packages/afd-models/tests``.
+"""
+
+from __future__ import annotations
+
+import afd_models_naive as naive
+import pytest
+import torch
+
+from afd_models import (
+    BackendUnavailable,
+    ExpertWeights,
+    GroupedRows,
+    MonolithicModel,
+    RandomWeights,
+    get_expert_backend,
+)
+from afd_models import preset as make_preset
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+PROMPTS = [[(5 * i + 1) % 512 for i in range(n)] for n in (37, 5, 80)]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tolerance"),
+    [
+        ("tiny", torch.float32, 1e-4),
+        ("v3-mini", torch.float32, 1e-4),
+        # bf16 only with softmax routing: CPU and GPU kernels round differently, and the
+        # toy V3 router (sigmoid + bias over 16 experts) has near-ties that such rounding
+        # flips, which moves whole expert outputs -- not a property either device claims.
+        ("tiny", torch.bfloat16, 3e-2),
+    ],
+)
+def test_cuda_model_matches_cpu(name: str, dtype: torch.dtype, tolerance: float) -> None:
+    config = make_preset(name)
+    cpu = MonolithicModel(config, RandomWeights(3), dtype=dtype).forward(PROMPTS)
+    for backend in ("reference", "grouped_mm"):
+        try:
+            gpu_model = MonolithicModel(
+                config, RandomWeights(3), dtype=dtype, device="cuda", backend=backend
+            )
+            gpu = gpu_model.forward(PROMPTS, num_stages=2)
+        except BackendUnavailable:
+            assert backend == "grouped_mm"
+            continue
+        assert gpu.hidden_states.device.type == "cuda"
+        assert naive.relative_error(gpu.hidden_states, cpu.hidden_states) <= tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_mm_on_cuda_agrees_with_reference_or_says_why(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter = 8, 256, 128
+    weights = ExpertWeights(
+        0,
+        tuple(range(experts)),
+        (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to("cuda", dtype),
+        (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to("cuda", dtype),
+    )
+    counts = torch.tensor([5, 0, 17, 1, 0, 33, 2, 9])
+    rows = torch.randn(int(counts.sum()), hidden, generator=gen).to("cuda", dtype)
+    work = GroupedRows(rows, counts)
+    reference = get_expert_backend("reference")(work, weights)
+    try:
+        out = get_expert_backend("grouped_mm")(work, weights)
+    except BackendUnavailable as exc:
+        unavailable = str(exc)
+    else:
+        unavailable = ""
+    if unavailable:  # allowed only off bf16, and the message must say what to use instead
+        assert dtype != torch.bfloat16, f"grouped_mm must run bf16 on CUDA: {unavailable}"
+        assert "reference" in unavailable
+        return
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert naive.relative_error(out, reference) <= tolerance

@@ -1,0 +1,205 @@
+"""The role split in one process over the loopback transport (FFN ranks in threads):
+multi-participant replicas, and the errors that catch mismatched roles."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import afd_models_naive as naive
+import pytest
+import torch
+
+from afd_models import (
+    AttentionRoleModel,
+    ConfigError,
+    FFNRoleExecutor,
+    MonolithicModel,
+    RandomWeights,
+)
+from afd_models import preset as make_preset
+from afd_protocol import (
+    AttentionEndpoint,
+    FFNEndpoint,
+    LoopbackWorld,
+    Role,
+    SlotLayout,
+    Topology,
+    TopologyError,
+    WindowLayout,
+)
+
+SEED = 8
+
+
+def window_for(
+    preset_name: str,
+    attention: int,
+    ffn: int,
+    *,
+    per_dp: int = 1,
+    dtype: str = "float32",
+    shared: str = "attention",
+    ring_depth: int = 3,
+    tokens: int = 64,
+) -> WindowLayout:
+    config = make_preset(preset_name)
+    topology = Topology(attention, ffn, config.n_routed_experts, attn_ranks_per_dp=per_dp)
+    layout = SlotLayout(
+        topology,
+        config.hidden_size,
+        tokens,
+        config.num_experts_per_tok,
+        dtype=dtype,
+        routed_cap_multiplier=float(ffn),
+        shared_placement=shared,
+    )
+    return layout.window(ring_depth=ring_depth)
+
+
+def serve_in_threads(
+    world: LoopbackWorld, preset_name: str, dtype: torch.dtype, shared: str, backend: str
+) -> tuple[list[threading.Thread], dict[int, Any]]:
+    config = make_preset(preset_name)
+    results: dict[int, Any] = {}
+
+    def serve(rank: int) -> None:
+        endpoint = FFNEndpoint(world.transport(Role.FFN, rank), timeout=20.0)
+        executor = FFNRoleExecutor(
+            config,
+            endpoint.local_experts,
+            RandomWeights(SEED),
+            dtype=dtype,
+            backend=backend,
+            shared_placement=shared,
+        )
+        try:
+            results[rank] = executor.serve(endpoint)
+        except Exception as exc:  # reported to the test thread
+            results[rank] = exc
+
+    topology = world.window.slot.topology
+    threads = [
+        threading.Thread(target=serve, args=(r,), daemon=True)
+        for r in range(topology.num_ffn_ranks)
+    ]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_replica_of_two_participants_and_grouped_mm_ffn() -> None:
+    """Two attention ranks form one DP replica: each work item has two parts."""
+    window = window_for("v3-mini", 2, 3, per_dp=2, shared="ffn")
+    world = LoopbackWorld(window)
+    threads, served = serve_in_threads(world, "v3-mini", torch.float32, "ffn", "grouped_mm")
+    config = make_preset("v3-mini")
+    prompts = {0: [[1, 2, 3, 4, 5, 6, 7], [9, 8]], 1: [[40, 41, 42], [300] * 11]}
+    outputs: dict[int, Any] = {}
+
+    def attend(rank: int) -> None:
+        endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, rank), timeout=20.0)
+        model = AttentionRoleModel(config, RandomWeights(SEED), shared_placement="ffn")
+        try:
+            outputs[rank] = model.forward(prompts[rank], endpoint, num_stages=2).hidden_states
+            endpoint.announce_shutdown()
+        except Exception as exc:  # reported to the test thread
+            outputs[rank] = exc
+            endpoint.abort()
+
+    ranks = [threading.Thread(target=attend, args=(r,), daemon=True) for r in (0, 1)]
+    for t in ranks:
+        t.start()
+    for t in ranks + threads:
+        t.join(timeout=60)
+    reference = MonolithicModel(config, RandomWeights(SEED))
+    for rank in (0, 1):
+        assert isinstance(outputs[rank], torch.Tensor), outputs[rank]
+        expected = reference.forward(prompts[rank]).hidden_states
+        assert naive.relative_error(outputs[rank], expected) <= 1e-5
+    for stats in served.values():
+        assert not isinstance(stats, Exception), stats
+        assert stats.items > 0
+        assert all(replica == 0 for replica, _, _ in stats.served)
+
+
+def test_float16_with_shared_experts_on_the_ffn_side() -> None:
+    """The float16 rule (shared branch scaled down, on the FFN rank) matches monolithic."""
+    config = make_preset("v3-mini")
+    assert config.routed_scaling_factor != 1.0
+    world = LoopbackWorld(window_for("v3-mini", 1, 2, dtype="float16", shared="ffn"))
+    threads, served = serve_in_threads(world, "v3-mini", torch.float16, "ffn", "reference")
+    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=20.0)
+    model = AttentionRoleModel(
+        config, RandomWeights(SEED), dtype=torch.float16, shared_placement="ffn"
+    )
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [400, 3, 2]]
+    try:
+        out = model.forward(prompts, endpoint, num_stages=2).hidden_states
+    finally:
+        endpoint.announce_shutdown()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(stats.shared_rows > 0 for stats in served.values()), served
+    mono = MonolithicModel(config, RandomWeights(SEED), dtype=torch.float16)
+    expected = mono.forward(prompts).hidden_states
+    assert naive.relative_error(out, expected) <= 2e-2
+
+
+def test_window_dtype_must_match_the_model() -> None:
+    world = LoopbackWorld(window_for("tiny", 1, 1, dtype="bfloat16"))
+    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    model = AttentionRoleModel(make_preset("tiny"))
+    with pytest.raises(ConfigError, match=r"window carries torch\.bfloat16"):
+        model.forward([[1, 2, 3]], endpoint)
+
+
+def test_shared_placement_must_match_the_window() -> None:
+    world = LoopbackWorld(window_for("tiny", 1, 1, shared="ffn"))
+    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    model = AttentionRoleModel(make_preset("tiny"), shared_placement="attention")
+    with pytest.raises(ConfigError, match="shared_placement is 'ffn'"):
+        model.forward([[1, 2, 3]], endpoint)
+
+
+def test_stages_need_a_ring_slot_each() -> None:
+    world = LoopbackWorld(window_for("tiny", 1, 1, ring_depth=1))
+    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    model = AttentionRoleModel(make_preset("tiny"))
+    with pytest.raises(TopologyError, match="ring exhausted"):
+        model.forward([[1, 2, 3, 4]], endpoint, num_stages=2)
+
+
+def dispatch_one(world: LoopbackWorld, layer: int, tokens: int = 5) -> FFNEndpoint:
+    """Dispatch ``tokens`` random rows of ``layer`` from attention rank 0 to FFN rank 0."""
+    slot = world.window.slot
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, slot.hidden_size, generator=gen)
+    ids = torch.zeros(tokens, slot.topk, dtype=torch.long)
+    ids += torch.arange(slot.topk)
+    attention = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    attention.dispatch(layer, x, ids, torch.ones(tokens, slot.topk))
+    return FFNEndpoint(world.transport(Role.FFN, 0), timeout=1.0)
+
+
+def test_ffn_executor_rejects_what_its_config_cannot_serve() -> None:
+    config = make_preset("tiny")
+    world = LoopbackWorld(window_for("tiny", 1, 1, shared="ffn"))
+    ffn = dispatch_one(world, layer=1)
+    item = ffn.next_work_item()
+    executor = FFNRoleExecutor(config, ffn.local_experts, shared_placement="attention")
+    with pytest.raises(ConfigError, match="shared-expert rows"):
+        executor.compute(item)
+    right = FFNRoleExecutor(config, ffn.local_experts, shared_placement="ffn")
+    routed, shared = right.compute(item)
+    assert routed.shape == (5 * config.num_experts_per_tok, config.hidden_size)
+    assert shared is not None
+    assert shared.shape == (5, config.hidden_size)
+    with pytest.raises(ConfigError, match="owns"):
+        FFNRoleExecutor(config, [0, 1]).serve(ffn)
+
+    dense = dispatch_one(LoopbackWorld(window_for("tiny", 1, 1)), layer=0)
+    with pytest.raises(ConfigError, match="not an MoE layer"):
+        FFNRoleExecutor(config, dense.local_experts).compute(dense.next_work_item())
+    with pytest.raises(ConfigError, match="local_experts"):
+        FFNRoleExecutor(config, [8])
