@@ -24,8 +24,15 @@ $(STAMP): pyproject.toml $(foreach d,$(PKG_DIRS),$(d)/pyproject.toml)
 	$(PY) -m pip install --quiet --group dev $(EDITABLES)
 	@touch $(STAMP)
 
+# The CPU tests also load the real NVSHMEM host library (unique-id creation needs no
+# GPU); it is large, so only `make test` installs it.
+TEST_STAMP := $(VENV)/.afd-test-extras
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet "nvidia-nvshmem-cu13>=3.4"
+	@touch $(TEST_STAMP)
+
 demo: $(STAMP)
-	$(VENV)/bin/afd roundtrip
+	$(VENV)/bin/afd run
 
 test: lint typecheck layers pytest standalone
 
@@ -40,7 +47,7 @@ typecheck: $(STAMP)
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports
 
-pytest: $(STAMP)
+pytest: $(TEST_STAMP)
 	$(PY) -m pytest -q $(foreach d,$(PKG_DIRS),$(d)/tests)
 
 standalone: $(STAMP)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from afd_protocol import AFDError
 from afd_tools import __version__, roundtrip
 from afd_tools.bench import cli as bench_cli
+from afd_tools.run import command as run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"afd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run_command.add_parser(sub)
     roundtrip.add_parser(sub)
     bench_cli.add_parser(sub)
     return parser

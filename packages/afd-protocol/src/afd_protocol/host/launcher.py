@@ -88,6 +88,23 @@ class LaunchError(AFDError):
         return [r for r in self.results.values() if not r.ok]
 
 
+def _set_process_name(name: str) -> None:
+    """Show the rank in ``ps``/``top`` (``/proc/PID/comm``, Linux; best effort)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def process_name(spec_name: str) -> str:
+    """``"ffn rank 1"`` -> ``"afd-ffn1"``, the name a rank process shows in ``ps``."""
+    role, _, rank = spec_name.split()
+    return f"afd-{'attn' if role == 'attention' else role}{rank}"
+
+
 def _rank_main(
     spec: RankSpec,
     window: WindowLayout,
@@ -97,6 +114,7 @@ def _rank_main(
     results: Any,
     factory: TransportFactory,
 ) -> None:
+    _set_process_name(process_name(spec.name))
     torch.set_num_threads(threads)
     try:
         with factory(window, Role(spec.role), spec.rank, rendezvous, connect_timeout) as transport:

@@ -1,0 +1,277 @@
+"""``afd run``: launch the system, feed it a workload, verify every output, compare modes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from afd_models import PRESET_NAMES, MonolithicModel, RandomWeights, preset
+from afd_protocol import AFDError, Role, SharedPlacement, SlotLayout, Topology
+from afd_protocol.host import LaunchError, launch
+from afd_protocol.host.launcher import RankSpec
+from afd_protocol.testing import relative_error
+from afd_tools.run import ranks
+from afd_tools.run.metrics import ModeSummary, ratios, summarize
+from afd_tools.run.report import print_report, write_plot
+from afd_tools.run.workload import (
+    ASSIGNMENTS,
+    PRESETS,
+    WorkloadError,
+    arrival_times,
+    assign,
+    prompt_lengths,
+    read_lengths,
+)
+
+MODES = ("async", "sync", "colocated")
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run attention replicas and FFN ranks as processes on a prefill workload",
+        description=(
+            "Launch A attention replicas and F FFN ranks as processes (host shared-memory "
+            "transport), prefill a workload in each mode, check every request's final hidden "
+            "state against the monolithic reference, and report TTFT, throughput and how busy "
+            "each rank was."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model shapes")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--attention-ranks", type=int, default=2, help="attention DP replicas (A)")
+    p.add_argument("--ffn-ranks", type=int, default=2, help="FFN ranks (F)")
+    p.add_argument("--mode", choices=[*MODES, "all"], default="all", help="which modes to run")
+    p.add_argument("--workload", choices=PRESETS, default="uneven", help="prompt-length mix")
+    p.add_argument(
+        "--workload-file",
+        type=Path,
+        default=None,
+        help="JSONL with prompt_len or prompt_tokens per line (overrides --workload)",
+    )
+    p.add_argument("--requests", type=int, default=48, help="number of requests")
+    p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt of a preset")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at this many requests/s (default: all at once)",
+    )
+    p.add_argument(
+        "--assign",
+        choices=ASSIGNMENTS,
+        default="round-robin",
+        help="how requests are given to replicas",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="largest prefill batch per replica (also the slot capacity)",
+    )
+    p.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32", help="activations")
+    p.add_argument(
+        "--shared",
+        choices=[s.value for s in SharedPlacement],
+        default="attention",
+        help="where shared experts run",
+    )
+    p.add_argument("--backend", default="reference", help="expert backend on the FFN ranks")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and the workload")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds any rank waits for a peer before failing",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write every number here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG timeline here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except WorkloadError as exc:
+        print(f"afd run: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("afd run: interrupted; every rank process was stopped", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    overrides = {} if args.layers is None else {"num_layers": args.layers}
+    config = preset(args.preset, **overrides)
+    if args.attention_ranks < 1 or args.ffn_ranks < 1:
+        raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
+    if args.workload_file is not None:
+        lengths = read_lengths(args.workload_file, args.max_num_batched_tokens)
+    else:
+        longest = min(args.max_prompt_len, args.max_num_batched_tokens)
+        lengths = prompt_lengths(args.workload, args.requests, args.seed, longest)
+    arrivals = arrival_times(len(lengths), args.rate, args.seed)
+    requests = assign(lengths, arrivals, args.attention_ranks, args.assign)
+
+    topology = Topology(args.attention_ranks, args.ffn_ranks, config.n_routed_experts)
+    slot = SlotLayout(
+        topology,
+        config.hidden_size,
+        args.max_num_batched_tokens,
+        config.num_experts_per_tok,
+        dtype=args.dtype,
+        shared_placement=args.shared,
+    )
+    window = slot.window(ring_depth=1)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(args.attention_ranks)
+    has_work = ctx.Array("i", args.attention_ranks)
+    progress = ctx.Queue()
+    common = {"config": config, "seed": args.seed, "timeout": args.timeout}
+    specs = [
+        RankSpec(
+            Role.ATTENTION,
+            r,
+            ranks.attention_replica,
+            {
+                **common,
+                "requests": [q for q in requests if q.replica == r],
+                "modes": modes,
+                "max_tokens": args.max_num_batched_tokens,
+                "barrier": barrier,
+                "has_work": has_work,
+                "progress": progress,
+            },
+        )
+        for r in range(args.attention_ranks)
+    ]
+    specs += [
+        RankSpec(Role.FFN, r, ranks.ffn_rank, {**common, "backend": args.backend})
+        for r in range(args.ffn_ranks)
+    ]
+    square = sum(n * n for n in lengths)
+    print(
+        f"afd run: {args.attention_ranks} attention x {args.ffn_ranks} FFN processes, preset "
+        f"{args.preset} ({config.num_hidden_layers} layers, {config.n_routed_experts} experts "
+        f"top-{config.num_experts_per_tok}, {args.dtype}), {len(requests)} requests "
+        f"({args.workload_file or args.workload}: {sum(lengths)} tokens, sum of squares "
+        f"{square}), modes {', '.join(modes)}"
+    )
+    results = _launch_with_progress(window, specs, len(requests) * len(modes), args)
+
+    replica_values = [results[f"attention rank {r}"].value for r in range(args.attention_ranks)]
+    ffn_intervals = [results[f"ffn rank {r}"].value["intervals"] for r in range(args.ffn_ranks)]
+    failures = _verify(config, args, requests, replica_values, modes)
+    summaries: dict[str, ModeSummary] = {
+        mode: summarize(mode, requests, [v[mode] for v in replica_values], ffn_intervals)
+        for mode in modes
+    }
+    print_report(summaries, ratios(summaries))
+    if args.json is not None:
+        report = {
+            "args": {k: str(v) for k, v in vars(args).items() if k != "handler"},
+            "modes": {m: s.as_dict() for m, s in summaries.items()},
+            "ratios": ratios(summaries),
+            "requests": [r.__dict__ for r in requests],
+            "verification_failures": failures,
+        }
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        write_plot(args.plot, summaries, replica_values, ffn_intervals, modes)
+        print(f"wrote {args.plot}")
+    elapsed = time.perf_counter() - started
+    if failures:
+        listed = ", ".join(f"{m}: {ids}" for m, ids in failures.items())
+        print(f"FAIL: outputs differ from the monolithic reference ({listed}); {elapsed:.0f} s")
+        return 1
+    print(
+        f"PASS: every request's final hidden state matches the monolithic reference in every "
+        f"mode (tolerance {TOLERANCE[args.dtype]:.0e}); {elapsed:.0f} s"
+    )
+    return 0
+
+
+def _launch_with_progress(
+    window: Any, specs: list[RankSpec], total: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    progress_queue = specs[0].kwargs["progress"]
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["results"] = launch(window, specs, timeout=args.timeout * 10)
+        except BaseException as exc:  # re-raised in the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    bar = None
+    if not args.no_progress and sys.stderr.isatty():
+        from rich.progress import Progress
+
+        bar = Progress(transient=True)
+        bar.start()
+        task = bar.add_task("prefill requests (all modes)", total=total)
+    try:
+        while thread.is_alive():
+            try:
+                progress_queue.get(timeout=0.1)
+                if bar is not None:
+                    bar.advance(task)
+            except queue.Empty:
+                pass
+    finally:
+        if bar is not None:
+            bar.stop()
+    thread.join()
+    if "error" in outcome:
+        error = outcome["error"]
+        if isinstance(error, LaunchError):
+            raise error
+        raise error
+    return dict(outcome["results"])
+
+
+def _verify(
+    config: Any,
+    args: argparse.Namespace,
+    requests: list[Any],
+    replica_values: list[dict[str, Any]],
+    modes: list[str],
+) -> dict[str, list[int]]:
+    """Compare every request of every mode with the monolithic model; return mismatches."""
+    dtype = getattr(torch, args.dtype)
+    reference = MonolithicModel(config, RandomWeights(args.seed), dtype=dtype)
+    tolerance = TOLERANCE[args.dtype]
+    expected = {}
+    for request in requests:
+        tokens = ranks.prompt_tokens(
+            request.request_id, request.prompt_len, config.vocab_size, args.seed
+        )
+        out = reference.forward([tokens], compute_logits=False)
+        expected[request.request_id] = out.last_hidden_states()[0].float()
+    failures: dict[str, list[int]] = {}
+    for mode in modes:
+        for values in replica_values:
+            for rid, hidden in values[mode].last_hidden.items():
+                if relative_error(hidden, expected[rid]) > tolerance:
+                    failures.setdefault(mode, []).append(rid)
+    return failures
+
+
+__all__ = ["MODES", "AFDError", "add_parser", "run"]

@@ -1,0 +1,86 @@
+"""Turning the ranks' records into the numbers ``afd run`` reports."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from afd_tools.run.workload import Request
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    mode: str
+    makespan_s: float
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    attention_busy: list[float]
+    attention_wait: list[float]
+    ffn_busy: list[float]
+    dummy_batches: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def summarize(
+    mode: str,
+    requests: Sequence[Request],
+    replica_results: Sequence[Any],
+    ffn_intervals: Sequence[Sequence[tuple[float, float, int, int]]],
+) -> ModeSummary:
+    """Summarise one mode from every replica's ``ModeResult`` and the FFN intervals."""
+    done: dict[int, float] = {}
+    for result in replica_results:
+        done.update(result.done)
+    missing = [r.request_id for r in requests if r.request_id not in done]
+    if missing:
+        raise RuntimeError(f"mode {mode}: requests {missing[:10]} never completed")
+    ttft = [done[r.request_id] - r.arrival for r in requests]
+    makespan = max(done.values())
+    origin = min(result.origin for result in replica_results)
+    end = origin + makespan
+    ffn_busy = []
+    for intervals in ffn_intervals:
+        busy = sum(max(0.0, min(e, end) - max(s, origin)) for s, e, *_ in intervals)
+        ffn_busy.append(busy / makespan)
+    return ModeSummary(
+        mode=mode,
+        makespan_s=makespan,
+        tokens_per_s=sum(r.prompt_len for r in requests) / makespan,
+        ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90),
+        ttft_p99=percentile(ttft, 99),
+        attention_busy=[r.busy_s / makespan for r in replica_results],
+        attention_wait=[r.wait_s / makespan for r in replica_results],
+        ffn_busy=ffn_busy,
+        dummy_batches=sum(r.dummy_batches for r in replica_results),
+    )
+
+
+def ratios(summaries: Mapping[str, ModeSummary]) -> dict[str, float]:
+    """Throughput of async over the other modes (above 1: async is faster)."""
+    out = {}
+    if "async" in summaries:
+        for other in ("sync", "colocated"):
+            if other in summaries:
+                out[f"async/{other} tokens/s"] = (
+                    summaries["async"].tokens_per_s / summaries[other].tokens_per_s
+                )
+    return out
+
+
+def mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0

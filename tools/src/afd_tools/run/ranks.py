@@ -1,0 +1,209 @@
+"""The programs that run inside the rank processes of ``afd run``.
+
+Attention replicas batch their requests first come, first served and prefill them
+through :class:`afd_models.AttentionRoleModel` (``async``, ``sync``) or compute every
+layer locally with :class:`afd_models.MonolithicModel` (``colocated``). ``sync`` puts a
+barrier across replicas before every MoE dispatch -- the lockstep of a synchronous AFD
+connector -- and a replica with nothing to do joins each step with a one-token dummy
+batch, as data-parallel engines do. FFN ranks serve whatever work item is ready and
+record when they were busy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from afd_models import (
+    AttentionRoleModel,
+    DeepseekConfig,
+    FFNRoleExecutor,
+    MonolithicModel,
+    RandomWeights,
+)
+from afd_protocol import AttentionEndpoint, ConnectorShutdown, FFNEndpoint, PeerTimeout, Transport
+from afd_tools.run.workload import Request
+
+
+def prompt_tokens(request_id: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    """The deterministic prompt of a request (the parent rebuilds it for verification)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + request_id)
+    return torch.randint(0, vocab, (length,), generator=gen)
+
+
+@dataclass
+class ModeResult:
+    """One replica's record of one mode."""
+
+    done: dict[int, float] = field(default_factory=dict)
+    """request id -> seconds after the mode start when its prefill finished."""
+    last_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+    batches: list[tuple[float, float, int]] = field(default_factory=list)
+    """(start, end, tokens) of every batch, seconds after the mode start."""
+    dummy_batches: int = 0
+    origin: float = 0.0
+    """``time.monotonic()`` at the mode start (comparable across processes on Linux)."""
+
+
+class LockstepEndpoint:
+    """An attention endpoint whose every dispatch first waits for all replicas."""
+
+    def __init__(self, endpoint: AttentionEndpoint, barrier: Any, timeout: float) -> None:
+        self.endpoint = endpoint
+        self.barrier = barrier
+        self.timeout = timeout
+        self.wait_s = 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.endpoint.dtype
+
+    @property
+    def in_flight(self) -> int:
+        return self.endpoint.in_flight
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        _barrier_wait(self.barrier, self.timeout, "a replica stopped at a MoE layer")
+        self.wait_s += time.monotonic() - start
+        return self.endpoint.dispatch(*args, **kwargs)
+
+    def combine(self, pending: Any) -> torch.Tensor:
+        return self.endpoint.combine(pending)
+
+
+def _barrier_wait(barrier: Any, timeout: float, what: str) -> None:
+    try:
+        barrier.wait(timeout)
+    except Exception as exc:  # threading.BrokenBarrierError from a multiprocessing barrier
+        raise PeerTimeout(f"sync barrier broken or timed out after {timeout:g} s ({what})") from exc
+
+
+def attention_replica(
+    transport: Transport,
+    *,
+    config: DeepseekConfig,
+    seed: int,
+    requests: list[Request],
+    modes: list[str],
+    max_tokens: int,
+    barrier: Any,
+    has_work: Any,
+    progress: Any,
+    timeout: float,
+) -> dict[str, Any]:
+    dtype = transport.window.slot.dtype
+    torch_dtype = getattr(torch, dtype)
+    placement = transport.window.slot.shared_placement
+    weights = RandomWeights(seed)
+    afd_model = AttentionRoleModel(config, weights, dtype=torch_dtype, shared_placement=placement)
+    colocated = (
+        MonolithicModel(config, weights, dtype=torch_dtype) if "colocated" in modes else None
+    )
+    endpoint = AttentionEndpoint(transport, timeout=timeout)
+    lockstep = LockstepEndpoint(endpoint, barrier, timeout)
+    me = transport.rank
+    prompts = {
+        r.request_id: prompt_tokens(r.request_id, r.prompt_len, config.vocab_size, seed)
+        for r in requests
+    }
+    # Warm up every path once (allocations, first-call dispatch) before anything is timed.
+    warm = [torch.zeros(4, dtype=torch.long)]
+    afd_model.forward(warm, endpoint, compute_logits=False)
+    if colocated is not None:
+        colocated.forward(warm, compute_logits=False)
+    out: dict[str, Any] = {}
+    for mode in modes:
+        _barrier_wait(barrier, timeout, f"start of mode {mode}")
+        origin = time.monotonic()
+        result = ModeResult(origin=origin)
+        pending = sorted(requests, key=lambda r: (r.arrival, r.request_id))
+        while True:
+            now = time.monotonic() - origin
+            if mode == "sync":
+                has_work[me] = 1 if pending else 0
+                _barrier_wait(barrier, timeout, "step start")
+                anyone = any(has_work[:])
+                _barrier_wait(barrier, timeout, "step start")
+                if not anyone:
+                    break
+            elif not pending:
+                break
+            batch, used = [], 0
+            for request in pending:
+                if request.arrival > now or used + request.prompt_len > max_tokens:
+                    break
+                batch.append(request)
+                used += request.prompt_len
+            if not batch and mode != "sync":
+                time.sleep(min(0.01, max(0.0, pending[0].arrival - now)))
+                continue
+            start = time.monotonic() - origin
+            if batch:
+                tokens = [prompts[r.request_id] for r in batch]
+            else:  # sync: nothing ready; join the step with a dummy token
+                tokens = [torch.zeros(1, dtype=torch.long)]
+                result.dummy_batches += 1
+            if mode == "colocated":
+                assert colocated is not None
+                output = colocated.forward(tokens, compute_logits=False)
+                waited = 0.0
+            else:
+                lockstep.wait_s = 0.0
+                chosen = lockstep if mode == "sync" else endpoint
+                output = afd_model.forward(
+                    tokens, cast(AttentionEndpoint, chosen), compute_logits=False
+                )
+                waited = afd_model.stats.combine_wait_s + lockstep.wait_s
+            end = time.monotonic() - origin
+            result.busy_s += end - start - waited
+            result.wait_s += waited
+            result.batches.append((start, end, used))
+            if batch:
+                last = output.last_hidden_states().float().cpu()
+                for row, request in enumerate(batch):
+                    result.done[request.request_id] = end
+                    result.last_hidden[request.request_id] = last[row].clone()
+                    progress.put(1)
+                done_ids = {r.request_id for r in batch}
+                pending = [r for r in pending if r.request_id not in done_ids]
+        out[mode] = result
+    endpoint.announce_shutdown()
+    return out
+
+
+def ffn_rank(
+    transport: Transport,
+    *,
+    config: DeepseekConfig,
+    seed: int,
+    backend: str,
+    timeout: float,
+) -> dict[str, Any]:
+    slot = transport.window.slot
+    executor = FFNRoleExecutor(
+        config,
+        transport.topology.local_experts(transport.rank),
+        RandomWeights(seed),
+        dtype=getattr(torch, slot.dtype),
+        backend=backend,
+        shared_placement=slot.shared_placement,
+    )
+    endpoint = FFNEndpoint(transport, timeout=timeout)
+    intervals: list[tuple[float, float, int, int]] = []
+    with torch.inference_mode():
+        while True:
+            try:
+                item = endpoint.next_work_item()
+            except ConnectorShutdown:
+                break
+            start = time.monotonic()
+            routed, shared = executor.compute(item)
+            endpoint.reply(item, routed.to(endpoint.dtype), shared)
+            intervals.append((start, time.monotonic(), item.replica, item.layer))
+    return {"intervals": intervals}
