@@ -16,7 +16,7 @@ import torch
 
 from afd_protocol.endpoint_base import EndpointBase
 from afd_protocol.errors import ConnectorShutdown, PeerTimeout, ProtocolError
-from afd_protocol.header import Header, MessageKind, decode_header
+from afd_protocol.header import HEADER_FIXED_WORDS, Header, MessageKind, decode_header
 from afd_protocol.topology import Role
 from afd_protocol.transport import Transport
 from afd_protocol.views import SlotView, slot_view
@@ -137,7 +137,9 @@ class FFNEndpoint(EndpointBase):
             header=header,
             routed_rows=view.routed_rows[: header.routed_rows],
             shared_rows=view.shared_rows[: header.shared_rows],
-            group_list=torch.tensor(header.expert_counts, dtype=torch.int64),
+            # Taken from the header on the window's device, so an accelerator consumes the
+            # counts where they landed (no host-to-device copy of the group list).
+            group_list=view.header[HEADER_FIXED_WORDS : header.num_words].to(torch.int64),
         )
         self._arrival.setdefault(key, next(self._counter))
 

@@ -38,7 +38,7 @@ class WorkItemPart:
     shared_rows: torch.Tensor
     """``[header.shared_rows, H]`` (empty unless shared experts run on the FFN side)."""
     group_list: torch.Tensor
-    """Rows per local expert for this part (int64)."""
+    """Rows per local expert for this part (int64, on the window's device)."""
 
 
 @dataclass(frozen=True)
