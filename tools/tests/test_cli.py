@@ -86,7 +86,7 @@ def test_bench_transport_host_prints_its_tables_and_writes_json(tmp_path) -> Non
         "bench",
         "transport",
         "--iterations",
-        "150",
+        "200",
         "--repeats",
         "3",
         "--max-tokens",
@@ -104,3 +104,10 @@ def test_bench_transport_host_prints_its_tables_and_writes_json(tmp_path) -> Non
     for point in report["bandwidth"].values():
         assert all(seconds > 0 for seconds in point.values())
     assert report["layer"]["256"]["rank0"] > 0
+
+
+def test_bench_rejects_arguments_it_cannot_measure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "transport", "--iterations", "10", "--max-bytes", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--iterations must be >= 200" in err
+    assert "--max-bytes must be >= 4096" in err

@@ -29,6 +29,7 @@ SMALL = [
 
 def test_all_modes_verify_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report, plot = tmp_path / "run.json", tmp_path / "run.png"
+    before = set(leftover_segments())
     assert main([*SMALL, "--json", str(report), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "PASS: every request's final hidden state matches" in out
@@ -40,7 +41,7 @@ def test_all_modes_verify_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert 0 <= summary["ttft_p50"] <= summary["ttft_p99"]
     assert data["verification_failures"] == {}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert leftover_segments() == []
+    assert set(leftover_segments()) <= before
 
 
 def test_shared_experts_on_ffn_in_bf16_with_poisson_arrivals(
@@ -107,6 +108,7 @@ def test_a_killed_ffn_rank_stops_the_run_naming_it_and_leaves_nothing_behind() -
         "--timeout",
         "20",
     ]
+    before = set(leftover_segments())
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -131,4 +133,4 @@ def test_a_killed_ffn_rank_stops_the_run_naming_it_and_leaves_nothing_behind() -
     assert elapsed < 30
     assert _descendants(process.pid) == {}
     assert not [p for p in _descendants(os.getpid()).values() if p.startswith("afd-")]
-    assert leftover_segments() == []
+    assert set(leftover_segments()) <= before

@@ -300,3 +300,38 @@ def test_bad_inputs_say_what_to_change() -> None:
     with pytest.raises(ProtocolError, match="not in service"):
         ffns[0].reply(item, torch.zeros(item.num_routed_rows, HIDDEN))
     del handle
+
+
+def test_a_combine_retried_after_a_timeout_waits_only_for_the_missing_rank() -> None:
+    world = make_world(a=1)
+    attn, ffns = endpoints(world)
+    experts = linear_experts(world)
+    x, ids, w = route(6, 3, list(range(7)), 15)
+    handle = attn[0].dispatch(1, x, ids, w)
+    experts.serve(ffns[0], ffns[0].next_work_item())
+    with pytest.raises(PeerTimeout, match=r"FFN ranks \[1\] did not reply"):
+        attn[0].combine(handle, timeout=0.02)
+    experts.serve(ffns[1], ffns[1].next_work_item())
+    out = attn[0].combine(handle, timeout=1.0)
+    expected = experts.reference(1, x, ids, w, False)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_dispatch_refused_before_any_write_keeps_its_ring() -> None:
+    world = make_world(a=1, ring_depth=1)
+    attn, _ffns = endpoints(world)
+    x, ids, w = route(4, 3, list(range(7)), 16)
+    with pytest.raises(TopologyError, match="requires grad"):
+        attn[0].dispatch(0, x.clone().requires_grad_(), ids, w)
+    with pytest.raises(TopologyError, match="topk=3"):
+        attn[0].dispatch(0, x, ids[:, :2], w[:, :2])
+    handle = attn[0].dispatch(0, x, ids, w)  # the ring is still free
+    assert handle.ring == 0
+
+
+def test_low_precision_payloads_are_refused_until_the_endpoints_send_them() -> None:
+    topo = Topology(1, 1, 4)
+    layout = SlotLayout(topo, HIDDEN, 8, 2, dtype="bfloat16", payload_dtype="float8_e4m3fn")
+    world = LoopbackWorld(layout.window())
+    with pytest.raises(TopologyError, match="low-precision payloads"):
+        AttentionEndpoint(world.transport(Role.ATTENTION, 0))

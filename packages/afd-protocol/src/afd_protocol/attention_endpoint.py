@@ -10,6 +10,7 @@ to every FFN rank so that readiness is decidable, and waits for all of them).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -95,6 +96,22 @@ class AttentionEndpoint(EndpointBase):
             )
         if layer_idx < 0 or stage < 0:
             raise TopologyError(f"layer_idx and stage must be >= 0, got {layer_idx}, {stage}")
+        device = self._transport.device
+        for name, tensor in (
+            ("hidden_states", hidden_states),
+            ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights),
+        ):
+            if tensor.device != device:
+                raise TopologyError(
+                    f"{name} is on {tensor.device} but this transport's window is on {device}; "
+                    f"move the inputs there first"
+                )
+        if hidden_states.requires_grad:
+            raise TopologyError(
+                "hidden_states requires grad; dispatch under torch.inference_mode() or "
+                "torch.no_grad() (the wire carries values, not autograd history)"
+            )
         plan = plan_dispatch(topk_ids, self._topology, self._slot.shared_placement, self._slot)
         if not self._free_rings:
             raise TopologyError(
@@ -116,6 +133,23 @@ class AttentionEndpoint(EndpointBase):
             hidden_size=hidden,
             issued_at=time.monotonic(),
         )
+        try:
+            self._write(pending, hidden_states, destinations)
+        except BaseException:
+            if pending.expected_ffn:
+                # Some FFN ranks already have this layer: the endpoint cannot be trusted any
+                # more, so tell every peer to fail fast rather than leave them waiting.
+                self._transport.abort()
+            else:
+                self._free_rings.insert(0, ring)
+            raise
+        self._in_flight[ring] = pending
+        return pending
+
+    def _write(
+        self, pending: PendingDispatch, hidden_states: torch.Tensor, destinations: Iterable[int]
+    ) -> None:
+        plan, ring = pending.plan, pending.ring
         for dest in destinations:
             view = self._send[dest][ring]
             rows, shared = plan.routed_rows(dest), plan.shared_rows(dest)
@@ -130,8 +164,8 @@ class AttentionEndpoint(EndpointBase):
             header = Header(
                 MessageKind.DISPATCH,
                 src_rank=self._rank,
-                layer=layer_idx,
-                stage=stage,
+                layer=pending.layer,
+                stage=pending.stage,
                 num_tokens=plan.num_tokens,
                 routed_rows=rows,
                 shared_rows=shared,
@@ -140,8 +174,6 @@ class AttentionEndpoint(EndpointBase):
             )
             self._write_and_publish(view, header, dest, ring)
             pending.expected_ffn[dest] = header.seq
-        self._in_flight[ring] = pending
-        return pending
 
     def combine(self, pending: PendingDispatch, timeout: float | None = None) -> torch.Tensor:
         """Wait for the replies of ``pending`` and return the weighted sum ``[T, H]``.
@@ -155,8 +187,8 @@ class AttentionEndpoint(EndpointBase):
             )
         limit = self._timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        waiting = dict(pending.expected_ffn)
-        arrived: dict[int, Header] = {}
+        arrived = pending.arrived
+        waiting = {d: s for d, s in pending.expected_ffn.items() if d not in arrived}
         ring = pending.ring
         while waiting:
             dests = sorted(waiting)

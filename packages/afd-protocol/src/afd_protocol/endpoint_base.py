@@ -32,6 +32,11 @@ class EndpointBase:
         self._topology = self._slot.topology
         self._rank = transport.rank
         self._timeout = timeout
+        if self._slot.payload_dtype is not None:
+            raise TopologyError(
+                f"payload_dtype={self._slot.payload_dtype!r}: low-precision payloads are laid out "
+                f"but not yet sent by the endpoints; use payload_dtype=None"
+            )
         self._seq = 0
         self._shutdown_announced = False
 

@@ -125,12 +125,13 @@ class FFNEndpoint(EndpointBase):
             self._finished.add(src)
             return
         key = WorkItemKey(self._topology.dp_replica_of(src), header.layer, header.stage)
-        parts = self._parts.setdefault(key, {})
+        parts = self._parts.get(key, {})
         if src in parts or key in self._in_service:
             raise ProtocolError(
                 f"FFN rank {self._rank}: attention rank {src} published layer {header.layer} "
                 f"stage {header.stage} again before it was answered"
             )
+        self._parts[key] = parts
         parts[src] = WorkItemPart(
             src_rank=src,
             ring=ring,

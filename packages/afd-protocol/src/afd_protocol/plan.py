@@ -175,6 +175,11 @@ def plan_dispatch(
         shared_tokens=shared,
     )
     if layout is not None:
+        if topk != layout.topk:
+            raise TopologyError(
+                f"topk_ids choose {topk} experts per token but the slot layout was sized for "
+                f"topk={layout.topk}; the router and the AFD configuration disagree"
+            )
         plan.check_capacity(layout)
     return plan
 

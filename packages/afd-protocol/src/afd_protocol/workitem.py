@@ -82,5 +82,8 @@ class PendingDispatch:
     hidden_size: int
     expected_ffn: dict[int, int] = field(default_factory=dict)
     """FFN rank -> the dispatch sequence number its reply must carry in ANSWER_SEQ."""
+    arrived: dict[int, Header] = field(default_factory=dict)
+    """Replies already received and checked (kept so a retried ``combine`` after a
+    timeout waits only for the ranks that have not answered)."""
     issued_at: float = 0.0
     """``time.monotonic()`` when the writes were issued (for timeouts and reports)."""

@@ -35,6 +35,7 @@ them rather than hang on a dead peer; the process exit reclaims the GPU memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -48,7 +49,12 @@ from afd_protocol.host.rendezvous import process_alive, process_start_time
 from afd_protocol.layout import check_same_geometry
 from afd_protocol.views import abort_words, flag_words
 from afd_transport_nvshmem.binding import NvshmemLibrary
-from afd_transport_nvshmem.bootstrap import KeyValueStore, apply_single_node_defaults, bootstrap
+from afd_transport_nvshmem.bootstrap import (
+    KeyValueStore,
+    TcpStore,
+    apply_single_node_defaults,
+    bootstrap,
+)
 from afd_transport_nvshmem.cuda_memory import (
     device_bytes,
     stream_memops_available,
@@ -71,7 +77,7 @@ class NvshmemTransport(Transport):
         window: WindowLayout,
         role: Role | str,
         rank: int,
-        store: KeyValueStore,
+        store: KeyValueStore | None = None,
         *,
         device: int | None = None,
         wait: str = "device",
@@ -93,6 +99,8 @@ class NvshmemTransport(Transport):
         torch.empty(1, device=self._device)  # create the context NVSHMEM will use
         self._name = f"{self.role.value} rank {rank}"
         self._wait_mode = wait
+        if store is None:
+            store = TcpStore(self._world, topo.world_size, connect_timeout)
         self._store = store
         self._liveness_interval = liveness_interval
         self._closed = False
@@ -100,23 +108,35 @@ class NvshmemTransport(Transport):
         self._heap_address = 0
         self.environment = apply_single_node_defaults(window.total_bytes)
         self._lib = library or NvshmemLibrary()
-        bootstrap(self._lib, store, self._world, topo.world_size, "afd/nvshmem/uid")
 
-        peer_role = self.role.opposite
-        peers = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
+        # Agree on the geometry with *every* rank before any collective call, so that a
+        # mismatch fails every rank at once instead of leaving peers inside NVSHMEM.
         me = {
             "geometry": window.describe(),
             "pid": os.getpid(),
             "start_time": process_start_time(os.getpid()),
         }
         store.set(f"afd/rank/{self._world}", json.dumps(me).encode())
-        self._peer_pids: list[tuple[int, int]] = []
-        for r, w in enumerate(peers):
+        self._pids: dict[int, tuple[int, int]] = {}
+        for w in range(topo.world_size):
             info = json.loads(store.get(f"afd/rank/{w}"))
-            check_same_geometry(
-                window.describe(), info["geometry"], peer=f"{peer_role.value} rank {r}"
-            )
-            self._peer_pids.append((int(info["pid"]), int(info["start_time"])))
+            self._pids[w] = (int(info["pid"]), int(info["start_time"]))
+            if w == self._world:
+                continue
+            role, r = topo.role_of(w)
+            try:
+                check_same_geometry(
+                    window.describe(), info["geometry"], peer=f"{role.value} rank {r}"
+                )
+            except TopologyError as exc:
+                store.set(f"afd/failed/{self._world}", str(exc).encode())
+                raise
+        store.set(f"afd/ready/{self._world}", b"1")
+        self._wait_for_all("afd/ready", deadline=time.monotonic() + connect_timeout)
+        bootstrap(self._lib, store, self._world, topo.world_size, "afd/nvshmem/uid")
+        peer_role = self.role.opposite
+        peers = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
+        self._peer_pids = [self._pids[w] for w in peers]
 
         self._heap_address = self._lib.malloc(window.total_bytes)
         self._local = device_bytes(self._heap_address, window.total_bytes, self._device)
@@ -211,6 +231,11 @@ class NvshmemTransport(Transport):
                 if now >= next_liveness:
                     self._check_alive(peers)
                     next_liveness = now + self._liveness_interval
+                if now >= deadline + 1.0:
+                    # The poll kernel never reported (a stalled GPU?): it may still write its
+                    # pinned buffer later, so stop using device waits on this transport.
+                    self._waiter, self._wait_mode = None, "host"
+                    raise PeerTimeout(f"{self._name}: the device wait did not report in time")
                 status = waiter.status()
             if status == 1:
                 return waiter.values(len(indices))
@@ -261,6 +286,36 @@ class NvshmemTransport(Transport):
                 f"(pid {[self._peer_pids[p][0] for p in dead]}) exited"
             )
 
+    def _wait_for_all(self, prefix: str, deadline: float | None) -> bool:
+        """Wait until every rank set ``{prefix}/{rank}``; False if a rank failed or died.
+
+        A rank that published ``afd/failed/{rank}`` or whose process is gone ends the wait
+        at once; ``deadline`` (None: none) bounds a wait on ranks that are alive but slow.
+        """
+        world = range(self.topology.world_size)
+        keys = [f"{prefix}/{w}" for w in world]
+        failed = [f"afd/failed/{w}" for w in world]
+        next_check = 0.0
+        while not self._store.check(keys):
+            now = time.monotonic()
+            if now >= next_check:
+                gone = [
+                    w
+                    for w in world
+                    if self._store.check([failed[w]]) or not process_alive(*self._pids[w])
+                ]
+                if gone:
+                    if prefix == "afd/ready":
+                        raise PeerAborted(
+                            f"{self._name}: world rank(s) {gone} failed or exited during start-up"
+                        )
+                    return False
+                next_check = now + self._liveness_interval
+            if deadline is not None and now >= deadline:
+                raise PeerTimeout(f"{self._name}: not every rank reached {prefix!r} in time")
+            time.sleep(0.005)
+        return True
+
     def abort(self) -> None:
         if self._closed or self._aborted:
             return
@@ -269,21 +324,26 @@ class NvshmemTransport(Transport):
             for aborts in self._peer_aborts:
                 aborts[self.rank : self.rank + 1].fill_(1)
         self._abort_stream.synchronize()
+        # Peers waiting in close() stop waiting for this rank. The store may be gone
+        # already; the abort words went out above either way.
+        with contextlib.suppress(Exception):
+            self._store.set(f"afd/failed/{self._world}", b"aborted")
 
     def close(self) -> None:
-        """Collective teardown when every rank got here cleanly; otherwise leave it to exit."""
+        """Collective teardown when every rank gets here cleanly; otherwise leave it to exit.
+
+        Waits (without a fixed deadline) for every rank to reach ``close()`` while they are
+        alive; a rank that aborted or died makes the others skip ``nvshmem_free`` and
+        finalisation, which would wait for it forever.
+        """
         if self._closed:
             return
         self._closed = True
         if self._aborted or self._heap_address == 0:
             return
-        topo = self.topology
         self._store.set(f"afd/close/{self._world}", b"1")
-        try:
-            for w in range(topo.world_size):
-                self._store.get(f"afd/close/{w}")
-        except PeerTimeout:
-            return  # a peer never got here: a collective free would hang
+        if not self._wait_for_all("afd/close", deadline=None):
+            return
         torch.cuda.synchronize(self._device)
         for name in ("_local", "_flags", "_aborts", "_peer_windows", "_peer_flags", "_peer_aborts"):
             self.__dict__.pop(name, None)

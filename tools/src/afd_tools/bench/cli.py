@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,21 @@ def add_parser(sub: Any) -> None:
 
 
 def run_transport(args: argparse.Namespace) -> int:
+    smallest_tokens = 1024 if args.backend == "nvshmem" else 256
+    problems = []
+    if args.iterations < 200:
+        problems.append(
+            f"--iterations must be >= 200 (the first 10% warm up), got {args.iterations}"
+        )
+    if args.repeats < 1:
+        problems.append(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_tokens < smallest_tokens:
+        problems.append(f"--max-tokens must be >= {smallest_tokens} for --backend {args.backend}")
+    if args.max_bytes < 4096:
+        problems.append("--max-bytes must be >= 4096 (the smallest payload measured)")
+    if problems:
+        print(f"afd bench transport: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     if args.backend == "nvshmem":
         from afd_tools.bench import nvshmem_transport
 

@@ -93,7 +93,15 @@ def add_parser(sub: Any) -> None:
         "--timeout",
         type=float,
         default=120.0,
-        help="seconds any rank waits for a peer before failing",
+        help="seconds an attention rank waits for FFN replies before failing (a dead peer is "
+        "detected within a second whatever this is)",
+    )
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds the whole run may take (replicas wait for each other at mode starts "
+        "and, in sync mode, at every layer, for up to this long)",
     )
     p.add_argument("--json", type=Path, default=None, help="write every number here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG timeline here")
@@ -155,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
                 "barrier": barrier,
                 "has_work": has_work,
                 "progress": progress,
+                "run_timeout": args.run_timeout,
             },
         )
         for r in range(args.attention_ranks)
@@ -214,7 +223,7 @@ def _launch_with_progress(
 
     def target() -> None:
         try:
-            outcome["results"] = launch(window, specs, timeout=args.timeout * 10)
+            outcome["results"] = launch(window, specs, timeout=args.run_timeout)
         except BaseException as exc:  # re-raised in the main thread
             outcome["error"] = exc
 

@@ -96,6 +96,7 @@ def attention_replica(
     has_work: Any,
     progress: Any,
     timeout: float,
+    run_timeout: float,
 ) -> dict[str, Any]:
     dtype = transport.window.slot.dtype
     torch_dtype = getattr(torch, dtype)
@@ -106,7 +107,7 @@ def attention_replica(
         MonolithicModel(config, weights, dtype=torch_dtype) if "colocated" in modes else None
     )
     endpoint = AttentionEndpoint(transport, timeout=timeout)
-    lockstep = LockstepEndpoint(endpoint, barrier, timeout)
+    lockstep = LockstepEndpoint(endpoint, barrier, run_timeout)
     me = transport.rank
     prompts = {
         r.request_id: prompt_tokens(r.request_id, r.prompt_len, config.vocab_size, seed)
@@ -119,7 +120,7 @@ def attention_replica(
         colocated.forward(warm, compute_logits=False)
     out: dict[str, Any] = {}
     for mode in modes:
-        _barrier_wait(barrier, timeout, f"start of mode {mode}")
+        _barrier_wait(barrier, run_timeout, f"start of mode {mode}")
         origin = time.monotonic()
         result = ModeResult(origin=origin)
         pending = sorted(requests, key=lambda r: (r.arrival, r.request_id))
@@ -127,9 +128,9 @@ def attention_replica(
             now = time.monotonic() - origin
             if mode == "sync":
                 has_work[me] = 1 if pending else 0
-                _barrier_wait(barrier, timeout, "step start")
+                _barrier_wait(barrier, run_timeout, "step start")
                 anyone = any(has_work[:])
-                _barrier_wait(barrier, timeout, "step start")
+                _barrier_wait(barrier, run_timeout, "step start")
                 if not anyone:
                     break
             elif not pending:
@@ -202,6 +203,8 @@ def ffn_rank(
                 item = endpoint.next_work_item()
             except ConnectorShutdown:
                 break
+            except PeerTimeout:
+                continue  # idle (colocated mode, sparse arrivals); dead peers raise PeerAborted
             start = time.monotonic()
             routed, shared = executor.compute(item)
             endpoint.reply(item, routed.to(endpoint.dtype), shared)

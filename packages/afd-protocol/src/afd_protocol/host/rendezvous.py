@@ -126,6 +126,10 @@ class DirectoryStore:
         data = value.encode() if isinstance(value, str) else bytes(value)
         self._rendezvous.publish(self._key(key), {"hex": data.hex()})
 
+    def check(self, keys: list[str]) -> bool:
+        """True when every key is set (never blocks)."""
+        return all(self._rendezvous.read(self._key(k)) is not None for k in keys)
+
     def get(self, key: str) -> bytes:
         name = self._key(key)
         found = self._rendezvous.wait_for([name], [], self._timeout, f"store key {key!r}")
