@@ -17,6 +17,7 @@ which FFN rank answers first beyond fp32 rounding.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import torch
 
 from afd_protocol.errors import ProtocolError, TopologyError
 from afd_protocol.layout import SharedPlacement, SlotLayout
-from afd_protocol.topology import Topology
+from afd_protocol.topology import ExpertPlacement, Topology
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,12 @@ class DispatchPlan:
             layout.check_capacity(self.num_tokens, self.routed_rows(d), self.shared_rows(d), dest=d)
 
 
+@functools.lru_cache(maxsize=64)
+def _wire_table(placement: ExpertPlacement, device: torch.device) -> torch.Tensor:
+    """Expert id -> wire position, built once per placement and device (not per layer)."""
+    return torch.tensor(placement.wire_position, dtype=torch.long, device=device)
+
+
 def plan_dispatch(
     topk_ids: torch.Tensor,
     topology: Topology,
@@ -129,7 +136,7 @@ def plan_dispatch(
     device = topk_ids.device
 
     flat = topk_ids.reshape(-1).long()
-    wire_of_expert = torch.tensor(placement.wire_position, dtype=torch.long, device=device)
+    wire_of_expert = _wire_table(placement, device)
     keys = wire_of_expert[flat.clamp(0, num_experts - 1)]
     counts = torch.bincount(keys, minlength=num_experts)
     order = torch.sort(keys, stable=True).indices
