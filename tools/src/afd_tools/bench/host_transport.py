@@ -22,8 +22,6 @@ import torch
 
 from afd_protocol import (
     AttentionEndpoint,
-    ConnectorShutdown,
-    FFNEndpoint,
     Role,
     SlotLayout,
     Topology,
@@ -31,6 +29,7 @@ from afd_protocol import (
 )
 from afd_protocol.host import launch
 from afd_protocol.host.launcher import RankSpec
+from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.stats import human_bytes, median_seconds
 
 PAYLOAD_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -122,19 +121,6 @@ def _layer_attention(transport: Transport, tokens: list[int], repeats: int) -> d
     return results
 
 
-def _layer_ffn_identity(transport: Transport) -> int:
-    endpoint = FFNEndpoint(transport, timeout=120.0)
-    served = 0
-    while True:
-        try:
-            item = endpoint.next_work_item()
-        except ConnectorShutdown:
-            return served
-        rows = [p.routed_rows for p in item.parts]
-        endpoint.reply(item, rows[0] if len(rows) == 1 else torch.cat(rows))
-        served += 1
-
-
 def run(args: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     report: dict[str, Any] = {"backend": "host"}
@@ -182,7 +168,7 @@ def run(args: Any) -> dict[str, Any]:
     specs = [
         RankSpec(Role.ATTENTION, r, _layer_attention, {"tokens": tokens, "repeats": args.repeats})
         for r in range(2)
-    ] + [RankSpec(Role.FFN, r, _layer_ffn_identity) for r in range(2)]
+    ] + [RankSpec(Role.FFN, r, serve_identity) for r in range(2)]
     results = launch(layer, specs, timeout=900)
     report["layer"] = {}
     print(

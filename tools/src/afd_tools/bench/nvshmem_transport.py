@@ -24,8 +24,6 @@ import torch
 
 from afd_protocol import (
     AttentionEndpoint,
-    ConnectorShutdown,
-    FFNEndpoint,
     Role,
     SlotLayout,
     Topology,
@@ -33,6 +31,7 @@ from afd_protocol import (
 )
 from afd_protocol.host import launch
 from afd_protocol.host.launcher import RankSpec
+from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.stats import human_bytes
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -221,18 +220,6 @@ def _layer_attention(t: Transport, tokens: list[int], repeats: int) -> dict[str,
     return results
 
 
-def _layer_ffn_identity(t: Transport) -> int:
-    endpoint = FFNEndpoint(t, timeout=120.0)
-    served = 0
-    while True:
-        try:
-            item = endpoint.next_work_item()
-        except ConnectorShutdown:
-            return served
-        endpoint.reply(item, torch.cat([p.routed_rows for p in item.parts]))
-        served += 1
-
-
 def run(args: Any) -> dict[str, Any]:
     from afd_transport_nvshmem.launch_support import nvshmem_transport
 
@@ -288,7 +275,7 @@ def run(args: Any) -> dict[str, Any]:
     ).window()
     specs = [
         RankSpec(Role.ATTENTION, 0, _layer_attention, {"tokens": tokens, "repeats": args.repeats}),
-        RankSpec(Role.FFN, 0, _layer_ffn_identity),
+        RankSpec(Role.FFN, 0, serve_identity),
     ]
     per_layer = launch(layer, specs, timeout=600, transport_factory=nvshmem_transport)
     times = per_layer["attention rank 0"].value
