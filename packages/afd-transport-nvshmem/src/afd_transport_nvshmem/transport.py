@@ -45,7 +45,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from afd_protocol import PeerAborted, PeerTimeout, Role, TopologyError, Transport, WindowLayout
-from afd_protocol.host.rendezvous import process_alive, process_start_time
+from afd_protocol.host.rendezvous import (
+    check_peers_alive,
+    process_alive,
+    process_start_time,
+)
 from afd_protocol.layout import check_same_geometry
 from afd_protocol.views import abort_words, flag_words
 from afd_transport_nvshmem.binding import NvshmemLibrary
@@ -158,6 +162,7 @@ class NvshmemTransport(Transport):
         self._peer_flags = [flag_words(t, window) for t in self._peer_windows]
         self._peer_aborts = [abort_words(t, window) for t in self._peer_windows]
         self._memops = stream_memops_available()
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._waiter: DeviceWaiter | None = None
         self.wait_mode = wait
         self._poll_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
@@ -252,8 +257,8 @@ class NvshmemTransport(Transport):
         deadline: float,
         timeout: float,
     ) -> list[int]:
-        index = torch.tensor(indices, dtype=torch.long, device=self._device)
-        peer_index = torch.tensor(peers or (0,), dtype=torch.long, device=self._device)
+        index = self._device_index(indices)
+        peer_index = self._device_index(peers or (0,))
         expected = list(last)
         next_liveness = time.monotonic() + self._liveness_interval
         with torch.cuda.stream(self._poll_stream):
@@ -270,6 +275,15 @@ class NvshmemTransport(Transport):
                 if now >= deadline:
                     raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
 
+    def _device_index(self, values: tuple[int, ...]) -> torch.Tensor:
+        """An index tensor on the device, built once per distinct tuple (not per wait)."""
+        tensor = self._index_cache.get(values)
+        if tensor is None:
+            tensor = torch.tensor(values, dtype=torch.long, device=self._device)
+            if len(self._index_cache) < 256:
+                self._index_cache[values] = tensor
+        return tensor
+
     def _raise_aborted(self, peers: Sequence[int]) -> None:
         words = self._aborts.tolist()
         bad = [p for p in peers if words[p] != 0]
@@ -279,12 +293,7 @@ class NvshmemTransport(Transport):
         )
 
     def _check_alive(self, peers: Sequence[int]) -> None:
-        dead = [p for p in peers if not process_alive(*self._peer_pids[p])]
-        if dead:
-            raise PeerAborted(
-                f"{self._name}: {self.role.opposite.value} rank(s) {dead} "
-                f"(pid {[self._peer_pids[p][0] for p in dead]}) exited"
-            )
+        check_peers_alive(self._name, self.role.opposite.value, peers, self._peer_pids)
 
     def _wait_for_all(self, prefix: str, deadline: float | None) -> bool:
         """Wait until every rank set ``{prefix}/{rank}``; False if a rank failed or died.

@@ -39,6 +39,21 @@ def process_alive(pid: int, start_time: int) -> bool:
     return fields[0] not in ("Z", "X", "x") and int(fields[19]) == start_time
 
 
+def check_peers_alive(
+    who: str, peer_role: str, peers: Sequence[int], pids: Sequence[tuple[int, int]]
+) -> None:
+    """Raise :class:`PeerAborted` naming every peer in ``peers`` whose process is gone.
+
+    ``pids[p]`` is peer ``p``'s (pid, start time) from the rendezvous; any transport whose
+    ranks share this machine can use it to notice a SIGKILLed peer within one check.
+    """
+    dead = [p for p in peers if not process_alive(*pids[p])]
+    if dead:
+        raise PeerAborted(
+            f"{who}: {peer_role} rank(s) {dead} (pid {[pids[p][0] for p in dead]}) exited"
+        )
+
+
 class DirectoryRendezvous:
     """Key -> JSON record exchange in a directory private to this user."""
 

@@ -35,7 +35,11 @@ from pathlib import Path
 import torch
 
 from afd_protocol.errors import PeerAborted, PeerTimeout, TopologyError
-from afd_protocol.host.rendezvous import DirectoryRendezvous, process_alive, process_start_time
+from afd_protocol.host.rendezvous import (
+    DirectoryRendezvous,
+    check_peers_alive,
+    process_start_time,
+)
 from afd_protocol.host.segments import SharedSegment, check_platform
 from afd_protocol.layout import WindowLayout, check_same_geometry
 from afd_protocol.topology import Role
@@ -184,7 +188,7 @@ class HostTransport(Transport):
                 )
             now = time.monotonic()
             if now >= next_liveness:
-                self._check_peers_alive(watched)
+                check_peers_alive(self._name, self.role.opposite.value, watched, self._peer_pids)
                 next_liveness = now + self._liveness_interval
             if now >= deadline:
                 raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
@@ -192,14 +196,6 @@ class HostTransport(Transport):
             if polls > self._spin_polls:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, MAX_SLEEP)
-
-    def _check_peers_alive(self, peers: Sequence[int]) -> None:
-        dead = [p for p in peers if not process_alive(*self._peer_pids[p])]
-        if dead:
-            pids = [self._peer_pids[p][0] for p in dead]
-            raise PeerAborted(
-                f"{self._name}: {self.role.opposite.value} rank(s) {dead} (pid {pids}) exited"
-            )
 
     def abort(self) -> None:
         """Set this rank's abort word in every peer window (best effort, idempotent)."""
