@@ -101,31 +101,19 @@ def _v2_lite() -> DeepseekConfig:
 
 
 def _v3_mini() -> DeepseekConfig:
-    return DeepseekConfig(
+    """``tiny`` shapes with DeepSeek-V3 routing: sigmoid scores, noaux_tc with a correction
+    bias over groups, normalised top-k, a routed scaling factor, and a q LoRA."""
+    return dataclasses.replace(
+        _tiny(),
         architecture="DeepseekV3ForCausalLM",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
         n_routed_experts=16,
-        n_shared_experts=1,
         num_experts_per_tok=4,
-        first_k_dense_replace=1,
-        moe_layer_freq=1,
         n_group=4,
         topk_group=2,
         topk_method="noaux_tc",
         scoring_func="sigmoid",
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        kv_lora_rank=512,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=64,
-        v_head_dim=32,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
         q_lora_rank=48,
         rope_scaling=V3_YARN,
     )
