@@ -18,8 +18,13 @@ from afd_protocol import (
     SlotLayout,
     Topology,
     TopologyError,
+    Word,
     flag_words,
+    plan_dispatch,
+    reference_fused_combine,
+    slot_view,
 )
+from afd_protocol.loopback import LoopbackTransport
 from afd_protocol.testing import LinearExperts, random_routing
 
 HIDDEN = 8
@@ -335,3 +340,114 @@ def test_low_precision_payloads_are_refused_until_the_endpoints_send_them() -> N
     world = LoopbackWorld(layout.window())
     with pytest.raises(TopologyError, match="low-precision payloads"):
         AttentionEndpoint(world.transport(Role.ATTENTION, 0))
+
+
+class CapturingTransport(LoopbackTransport):
+    """Like a device wait that brings headers to the host with the flag: the header is
+    snapshotted when the flag is seen, then the window's copy is made undecodable."""
+
+    def __init__(self, world: LoopbackWorld, role: Role, rank: int) -> None:
+        super().__init__(world, role, rank)
+        self.reads: list[tuple[int, int]] = []
+        self._snapshots: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def wait_any(self, flag_indices, last_seen, timeout, peers):  # type: ignore[no-untyped-def]
+        values = super().wait_any(flag_indices, last_seen, timeout, peers)
+        for index, value, old in zip(flag_indices, values, last_seen, strict=True):
+            if value != old:
+                region, ring = divmod(index, self.window.ring_depth)
+                header = slot_view(self._local, self.window, region, ring).header
+                self._snapshots[index] = (value, header.clone())
+                header[Word.CHECKSUM] += 1  # decoding the window itself would now fail
+        return values
+
+    def read_header(self, flag_index: int, value: int, header: torch.Tensor) -> torch.Tensor:
+        self.reads.append((flag_index, value))
+        seen, words = self._snapshots[flag_index]
+        assert seen == value
+        return words
+
+
+def test_endpoints_decode_the_header_the_transport_hands_them() -> None:
+    world = make_world(a=1, f=2)
+    attention = AttentionEndpoint(CapturingTransport(world, Role.ATTENTION, 0), timeout=0.05)
+    ffn_transports = [CapturingTransport(world, Role.FFN, r) for r in range(2)]
+    ffns = [FFNEndpoint(t, timeout=0.05) for t in ffn_transports]
+    experts = linear_experts(world)
+    x, ids, w = route(12, 3, list(range(7)), 9)
+    handle = attention.dispatch(2, x, ids, w)
+    drain(ffns, experts)
+    out = attention.combine(handle)
+    torch.testing.assert_close(
+        out.double(), experts.reference(2, x, ids, w, False), rtol=1e-5, atol=1e-4
+    )
+    window = world.window
+    # Each FFN rank read attention rank 0's ring-0 slot once, at the dispatch's sequence;
+    # the attention rank read each FFN rank's reply once.
+    for t in ffn_transports:
+        assert t.reads == [(window.flag_index(0, 0), handle.expected_ffn[t.rank])]
+    reads = attention._transport.reads  # type: ignore[attr-defined]
+    assert sorted(i for i, _ in reads) == [window.flag_index(d, 0) for d in (0, 1)]
+
+
+class FusedLoopbackTransport(LoopbackTransport):
+    """A loopback transport that offers the reference fused combine, counting its calls."""
+
+    calls = 0
+
+    def fused_combine(self):  # type: ignore[no-untyped-def]
+        def run(inputs):  # type: ignore[no-untyped-def]
+            FusedLoopbackTransport.calls += 1
+            return reference_fused_combine(inputs)
+
+        return run
+
+
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_fused_combine_agrees_with_the_per_rank_combine(shared: str) -> None:
+    """The endpoint's window offsets, segment bounds and wire positions, fed to the reference
+    fused combine, give the same outputs as the portable path -- including an FFN rank that
+    received nothing, a second ring, and fewer tokens than FFN ranks (shared rows)."""
+    world = make_world(a=1, f=3, experts=7, shared=shared, ring_depth=2)
+    experts = linear_experts(world)
+    attention = AttentionEndpoint(FusedLoopbackTransport(world, Role.ATTENTION, 0), timeout=0.05)
+    ffns = [FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(3)]
+    ffn0_and_1 = [e for r in (0, 1) for e in world.window.slot.topology.local_experts(r)]
+    jobs = [
+        (1, *route(20, 3, list(range(7)), 11)),
+        (3, *route(9, 3, ffn0_and_1, 12)),  # FFN rank 2 gets no routed rows
+        (0, *route(2, 3, list(range(7)), 13)),  # 2 tokens, 3 FFN ranks
+    ]
+    FusedLoopbackTransport.calls = 0
+    for fused in (True, False):
+        attention.fused_combine = fused
+        outputs = []
+        # The first two jobs are in flight together, so both rings carry replies.
+        for batch in (jobs[:2], jobs[2:]):
+            handles = [
+                attention.dispatch(layer, x, ids, w, stage=stage)
+                for stage, (layer, x, ids, w) in enumerate(batch)
+            ]
+            assert sorted(h.ring for h in handles) == list(range(len(batch)))
+            drain(ffns, experts)
+            for (layer, x, ids, w), handle in zip(batch, handles, strict=True):
+                out = attention.combine(handle)
+                expected = experts.reference(layer, x, ids, w, shared == "ffn")
+                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+                outputs.append(out)
+        if fused:
+            fused_outputs = outputs
+    assert FusedLoopbackTransport.calls == len(jobs)
+    for a, b in zip(fused_outputs, outputs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_wire_position_inverts_the_wire_order() -> None:
+    topo = Topology(1, 3, 7)
+    ids = torch.tensor([[6, 0, 3], [2, 5, 1], [0, 6, 4]])
+    plan = plan_dispatch(ids, topo)
+    position = plan.wire_position
+    assert torch.equal(plan.order[position], torch.arange(ids.numel()))
+    # Walking the wire order, the experts (mapped to wire positions) never decrease.
+    wire_of = torch.tensor(topo.expert_placement.wire_position)
+    assert torch.all(wire_of[ids.reshape(-1)[plan.order]].diff() >= 0)

@@ -161,6 +161,8 @@ def test_garbage_fails_the_run_fast_when_not_tolerated() -> None:
     results = caught.value.results
     assert results["ffn rank 0"].error_type == "ProtocolError"
     assert results["attention rank 0"].error_type == "PeerAborted"
+    # The message says where each rank raised, so a failure is findable without the tracebacks.
+    assert "raised at ffn_endpoint.py:" in str(caught.value)
 
 
 def test_killed_ffn_rank_fails_its_peers_within_the_timeout_and_leaks_nothing() -> None:

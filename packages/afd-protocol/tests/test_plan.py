@@ -205,3 +205,45 @@ def test_bf16_combine_accumulates_in_fp32() -> None:
     rows[0] = 256.0
     out = combine(plan, {0: (rows, None)}, w, 1, torch.float32)
     assert out.item() == pytest.approx(256.0 + 63 / 256)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ffn", "shared"), [(0, 1, False), (1, 3, True), (23, 3, False), (9, 2, True)]
+)
+def test_reference_fused_combine_matches_a_naive_loop(tokens: int, ffn: int, shared: bool) -> None:
+    """The fused-combine specification, checked one token and one choice at a time."""
+    from afd_protocol import CombineInputs, reference_fused_combine
+
+    hidden, experts, topk = 5, 8, 3
+    gen = torch.Generator().manual_seed(tokens + ffn)
+    choices = [torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]
+    ids = torch.stack(choices) if choices else torch.empty(0, topk, dtype=torch.long)
+    plan = plan_dispatch(ids, Topology(1, ffn, experts), "ffn" if shared else "attention")
+    rows = torch.randn(4000, generator=gen, dtype=torch.float64)
+    routed = [17 + 600 * d for d in range(ffn)]
+    shared_at = [r + 300 for r in routed]
+    weights = torch.rand(tokens, topk, generator=gen, dtype=torch.float64)
+    got = reference_fused_combine(
+        CombineInputs(
+            rows=rows,
+            routed_starts=torch.tensor(routed),
+            shared_starts=torch.tensor(shared_at) if shared else None,
+            segment_offsets=torch.tensor(plan.segment_offsets),
+            wire_position=plan.wire_position,
+            topk_weights=weights,
+            hidden_size=hidden,
+            out_dtype=torch.float64,
+        )
+    )
+    want = torch.zeros(tokens, hidden, dtype=torch.float64)
+    wire_order = plan.order.tolist()
+    for t in range(tokens):
+        for j in range(topk):
+            wire = wire_order.index(t * topk + j)
+            dest = max(d for d in range(ffn) if plan.segment_offsets[d] <= wire)
+            start = routed[dest] + (wire - plan.segment_offsets[dest]) * hidden
+            want[t] += weights[t, j] * rows[start : start + hidden]
+        if shared:
+            start = shared_at[t % ffn] + (t // ffn) * hidden
+            want[t] += rows[start : start + hidden]
+    torch.testing.assert_close(got, want)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,9 +16,27 @@ from afd_protocol import (
     ConnectorShutdown,
     FFNEndpoint,
     Transport,
+    Word,
     expert_ids_from_counts,
 )
 from afd_protocol.testing import LinearExperts, random_routing, relative_error
+
+
+@contextlib.contextmanager
+def no_host_sync(enabled: bool) -> Iterator[None]:
+    """Make any synchronising CUDA call (a blocking D2H copy, a stream sync) raise."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _header_reads(transport: Transport) -> dict[str, int]:
+    return dict(getattr(transport, "header_reads", {}))
 
 
 def _experts(transport: Transport, layers: int, seed: int) -> LinearExperts:
@@ -25,19 +45,36 @@ def _experts(transport: Transport, layers: int, seed: int) -> LinearExperts:
 
 
 def ffn_grouped(
-    transport: Transport, *, layers: int, seed: int, die_after: int | None = None
+    transport: Transport,
+    *,
+    layers: int,
+    seed: int,
+    die_after: int | None = None,
+    check_no_sync: bool = False,
 ) -> dict[str, Any]:
-    """Serve with a real grouped GEMM (torch._grouped_mm where available) on the GPU."""
+    """Serve with a real grouped GEMM (torch._grouped_mm where available) on the GPU.
+
+    With ``check_no_sync``, every endpoint call after the first item runs with CUDA's sync
+    debug mode set to "error": taking a work item and replying must not block on the GPU.
+    """
     ep = FFNEndpoint(transport, timeout=60.0)
     experts = _experts(transport, layers, seed).to(transport.device)
     local = torch.tensor(ep.local_experts, device=transport.device)
     grouped = hasattr(torch, "_grouped_mm") and transport.device.type == "cuda"
     served = 0
+    layers_on_device: list[torch.Tensor] = []
     while True:
+        strict = check_no_sync and served > 0
         try:
-            item = ep.next_work_item()
+            with no_host_sync(strict):
+                item = ep.next_work_item()
         except ConnectorShutdown:
-            return {"served": served, "grouped_mm": grouped}
+            return {
+                "served": served,
+                "grouped_mm": grouped,
+                "header_reads": _header_reads(transport),
+                "layers_on_device": [t.tolist() for t in layers_on_device],
+            }
         if die_after is not None and served >= die_after:
             os.kill(os.getpid(), signal.SIGKILL)
         outs = []
@@ -53,7 +90,9 @@ def ffn_grouped(
                 ids = expert_ids_from_counts(part.group_list.to(transport.device), rows.shape[0])
                 outs.append(torch.bmm(rows.unsqueeze(1), weights[ids]).squeeze(1))
         shared = torch.cat([p.shared_rows.float() @ experts.shared[item.layer] for p in item.parts])
-        ep.reply(item, torch.cat(outs).to(ep.dtype), shared.to(ep.dtype))
+        layers_on_device.append(torch.stack([p.header_words[Word.LAYER] for p in item.parts]))
+        with no_host_sync(strict):
+            ep.reply(item, torch.cat(outs).to(ep.dtype), shared.to(ep.dtype))
         served += 1
 
 
@@ -66,8 +105,12 @@ def attention_jobs(
     in_flight: int = 1,
     overflow_first: bool = False,
     record: bool = False,
+    check_no_sync: bool = False,
 ) -> dict[str, Any]:
-    """Dispatch jobs (``in_flight`` at a time), check every output, then shut down."""
+    """Dispatch jobs (``in_flight`` at a time), check every output, then shut down.
+
+    With ``check_no_sync``, ``combine`` runs with CUDA's sync debug mode set to "error".
+    """
     slot = transport.window.slot
     ep = AttentionEndpoint(transport, timeout=60.0)
     experts = _experts(transport, layers, seed)
@@ -100,7 +143,9 @@ def attention_jobs(
             handle = ep.dispatch(job["layer"], x.to(dev), ids.to(dev), w.to(dev), stage=stage)
             batch.append((job["layer"], x, ids, w, handle))
         for layer, x, ids, w, handle in batch:
-            result = ep.combine(handle)
+            with no_host_sync(check_no_sync):
+                result = ep.combine(handle)
+            out.setdefault("layers", []).append(layer)
             shared = slot.shared_placement.value == "ffn"
             out["errors"].append(
                 relative_error(result, experts.reference(layer, x, ids, w, shared))
@@ -114,4 +159,5 @@ def attention_jobs(
     if transport.device.type == "cuda":
         torch.cuda.synchronize(transport.device)
     ep.announce_shutdown()
+    out["header_reads"] = _header_reads(transport)
     return out

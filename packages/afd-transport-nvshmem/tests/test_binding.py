@@ -22,6 +22,7 @@ from afd_transport_nvshmem import (
     find_host_library,
 )
 from afd_transport_nvshmem.binding import InitAttr, UniqueId, version_word
+from afd_transport_nvshmem.transport import check_one_rank_per_gpu
 
 
 def library_or_skip() -> NvshmemLibrary:
@@ -145,3 +146,13 @@ def test_default_tcp_store_exchanges_bytes_and_times_out_clearly(
     alone = TcpStore(0, 1, timeout=0.3)
     with pytest.raises(PeerTimeout, match=r"did not appear within 0\.3 s"):
         alone.get("afd/never")
+
+
+def test_two_ranks_on_one_gpu_are_refused_naming_them() -> None:
+    topology = Topology(1, 2, 8)
+    check_one_rank_per_gpu({0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}, topology, 3)  # one each: fine
+    with pytest.raises(TopologyError) as caught:
+        check_one_rank_per_gpu({0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}, topology, 2)
+    message = str(caught.value)
+    assert "attention rank 0 and ffn rank 1 would share a GPU" in message
+    assert "3 ranks, 2 GPUs visible" in message

@@ -39,8 +39,10 @@ def factory():
     return nvshmem_transport
 
 
-def window(ring_depth: int = 1, tokens: int = 256, shared: str = "attention"):
-    topo = Topology(1, 1, 8)
+def window(
+    ring_depth: int = 1, tokens: int = 256, shared: str = "attention", num_ffn_ranks: int = 1
+):
+    topo = Topology(1, num_ffn_ranks, 8)
     return SlotLayout(topo, 256, tokens, 4, dtype="bfloat16", shared_placement=shared).window(
         ring_depth=ring_depth
     )
@@ -58,24 +60,53 @@ def test_endpoint_matrix_on_two_gpus(wait: str, shared: str, monkeypatch) -> Non
         {"layer": 0, "tokens": 0},  # an empty batch: nothing sent, nothing waited on
         {"layer": 2, "tokens": 100},
     ]
+    # With device waits, neither side may block on the GPU per item: taking a work item and
+    # replying on the FFN side, and combining on the attention side, run with CUDA's sync
+    # debug mode set to "error", and every arrived header must come from the wait's capture.
+    strict = wait == "device"
     specs = [
         RankSpec(
             Role.ATTENTION,
             0,
             workers.attention_jobs,
-            {"layers": LAYERS, "seed": 1, "jobs": jobs, "in_flight": 2, "overflow_first": True},
+            {
+                "layers": LAYERS,
+                "seed": 1,
+                "jobs": jobs,
+                "in_flight": 2,
+                "overflow_first": True,
+                "check_no_sync": strict,
+            },
         ),
-        RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 1}),
+        RankSpec(
+            Role.FFN,
+            0,
+            workers.ffn_grouped,
+            {"layers": LAYERS, "seed": 1, "check_no_sync": strict},
+        ),
     ]
     results = launch(
         window(ring_depth=2, shared=shared), specs, timeout=240, transport_factory=factory()
     )
     attention = results["attention rank 0"].value
+    ffn = results["ffn rank 0"].value
     assert "257 tokens exceeds token_cap=256" in attention["overflow"]
     assert len(attention["errors"]) == len(jobs)
     assert max(attention["errors"]) <= 2e-2, attention["errors"]
-    assert results["ffn rank 0"].value["served"] == len(jobs) - 1  # the empty batch sent nothing
-    assert results["ffn rank 0"].value["grouped_mm"] == hasattr(torch, "_grouped_mm")
+    assert ffn["served"] == len(jobs) - 1  # the empty batch sent nothing
+    assert ffn["grouped_mm"] == hasattr(torch, "_grouped_mm")
+    # The layer index as the device sees it, read from the landed header words.
+    assert [layers[0] for layers in ffn["layers_on_device"]] == [
+        job["layer"] for job in jobs if job["tokens"]
+    ]
+    if strict:
+        assert ffn["header_reads"].get("copied", 0) == 0, ffn["header_reads"]
+        assert ffn["header_reads"]["captured"] >= ffn["served"] + 1  # items and the shutdown
+        assert attention["header_reads"].get("copied", 0) == 0, attention["header_reads"]
+        assert attention["header_reads"]["captured"] >= len(jobs) - 1
+    else:
+        assert ffn["header_reads"].get("captured", 0) == 0
+        assert ffn["header_reads"]["copied"] >= ffn["served"] + 1
 
 
 def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout() -> None:
@@ -113,3 +144,50 @@ def test_host_and_nvshmem_transports_agree() -> None:
     for a, b in zip(host["outputs"], gpu["outputs"], strict=True):
         rel = float((a - b).norm() / a.norm().clamp_min(1e-12))
         assert rel <= 2e-2
+
+
+def test_two_ranks_on_one_gpu_are_refused_at_start_up() -> None:
+    """Three ranks on two GPUs: every rank refuses at start-up, naming the pair, instead of
+    hanging inside NVSHMEM (which two PEs on one GPU did on this host without CUDA MPS)."""
+    specs = [
+        RankSpec(Role.ATTENTION, 0, workers.attention_jobs, {"layers": 1, "seed": 0, "jobs": []}),
+        RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": 1, "seed": 0}),
+        RankSpec(Role.FFN, 1, workers.ffn_grouped, {"layers": 1, "seed": 0}),
+    ]
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        launch(window(num_ffn_ranks=2), specs, timeout=90, transport_factory=factory())
+    assert time.monotonic() - start < 60
+    for result in caught.value.results.values():
+        assert result.error_type == "TopologyError", result.error
+        assert "attention rank 0 and ffn rank 1 would share a GPU" in (result.error or "")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs three GPUs (one per rank)")
+def test_ffn_rank_that_receives_nothing_is_not_waited_on() -> None:
+    """1 attention x 2 FFN ranks, one GPU each. Jobs routed only to experts 0-3 (FFN rank 0)
+    must not wait for FFN rank 1, which then serves only the jobs that reach its experts."""
+    only_first = [0, 1, 2, 3]
+    jobs = [
+        {"layer": 0, "tokens": 64, "experts": only_first},
+        {"layer": 1, "tokens": 9, "experts": only_first},
+        {"layer": 2, "tokens": 128},
+        {"layer": 3, "tokens": 5, "experts": only_first},
+    ]
+    specs = [
+        RankSpec(
+            Role.ATTENTION,
+            0,
+            workers.attention_jobs,
+            {"layers": LAYERS, "seed": 3, "jobs": jobs, "record": True},
+        ),
+        RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 3}),
+        RankSpec(Role.FFN, 1, workers.ffn_grouped, {"layers": LAYERS, "seed": 3}),
+    ]
+    results = launch(window(num_ffn_ranks=2), specs, timeout=90, transport_factory=factory())
+    attention = results["attention rank 0"].value
+    assert max(attention["errors"]) <= 2e-2, attention["errors"]
+    waited_on = [expected for expected, _, _ in attention["plans"]]
+    assert waited_on == [[0], [0], [0, 1], [0]]
+    assert results["ffn rank 0"].value["served"] == 4
+    assert results["ffn rank 1"].value["served"] == 1

@@ -29,6 +29,7 @@ from afd_protocol.errors import (
     TopologyError,
 )
 from afd_protocol.ffn_endpoint import FFNEndpoint
+from afd_protocol.fused import CombineInputs, FusedCombine, reference_fused_combine
 from afd_protocol.header import (
     FLAG_ABORT,
     FLAG_SHUTDOWN,
@@ -80,11 +81,13 @@ __all__ = [
     "AFDError",
     "AttentionEndpoint",
     "CapacityError",
+    "CombineInputs",
     "ConnectorShutdown",
     "DispatchPlan",
     "ExpertPlacement",
     "FFNEndpoint",
     "FieldSpec",
+    "FusedCombine",
     "Header",
     "HeaderLimits",
     "LoopbackTransport",
@@ -118,6 +121,7 @@ __all__ = [
     "flag_words",
     "new_accumulator",
     "plan_dispatch",
+    "reference_fused_combine",
     "slot_view",
     "torch_dtype",
 ]

@@ -22,8 +22,10 @@ from afd_protocol.errors import (
     ProtocolError,
     TopologyError,
 )
+from afd_protocol.fused import CombineInputs
 from afd_protocol.header import Header, MessageKind, decode_header
 from afd_protocol.plan import combine_scatter, new_accumulator, plan_dispatch
+from afd_protocol.staging import host_to_device
 from afd_protocol.topology import Role
 from afd_protocol.transport import Transport
 from afd_protocol.views import SlotView, flag_words, slot_view
@@ -56,6 +58,23 @@ class AttentionEndpoint(EndpointBase):
         self._free_rings = list(range(ring_depth))
         self._in_flight: dict[int, PendingDispatch] = {}
         self._publish_to_all = self._topology.attn_ranks_per_dp > 1
+        self._fused = transport.fused_combine()
+        self.fused_combine = self._fused is not None
+        """Combine with the transport's fused kernel (when it has one); False: the portable
+        per-FFN-rank path."""
+        if self._fused is not None:
+            dtype = self.dtype
+            self._rows = local.view(dtype)
+            itemsize = dtype.itemsize
+
+            def starts(field: str, ring: int) -> torch.Tensor:
+                offsets = [self._window.field_offset(d, ring, field) // itemsize for d in ffn_ranks]
+                return torch.tensor(offsets, dtype=torch.int64, device=transport.device)
+
+            self._routed_starts = [starts("routed_rows", r) for r in rings]
+            self._shared_starts = (
+                [starts("shared_rows", r) for r in rings] if self._slot.shared_cap else None
+            )
 
     @property
     def in_flight(self) -> int:
@@ -143,6 +162,10 @@ class AttentionEndpoint(EndpointBase):
             else:
                 self._free_rings.insert(0, ring)
             raise
+        if self._fused is not None and self.fused_combine:
+            # Ready before the replies are: computed while the FFN ranks work.
+            pending.device_segment_offsets = host_to_device(plan.segment_offsets, device)
+            plan.wire_position  # noqa: B018 - computes and caches it now
         self._in_flight[ring] = pending
         return pending
 
@@ -210,6 +233,27 @@ class AttentionEndpoint(EndpointBase):
                 self._reply_seen[(dest, ring)] = value
                 arrived[dest] = self._check_reply(dest, ring, value, waiting[dest], pending)
                 del waiting[dest]
+        if (
+            self._fused is not None
+            and self.fused_combine
+            and pending.device_segment_offsets is not None
+        ):
+            output = self._fused(
+                CombineInputs(
+                    rows=self._rows,
+                    routed_starts=self._routed_starts[ring],
+                    shared_starts=None
+                    if self._shared_starts is None
+                    else self._shared_starts[ring],
+                    segment_offsets=pending.device_segment_offsets,
+                    wire_position=pending.plan.wire_position,
+                    topk_weights=pending.topk_weights,
+                    hidden_size=pending.hidden_size,
+                    out_dtype=pending.dtype,
+                )
+            )
+            self._release(ring)
+            return output
         accumulator = new_accumulator(
             pending.plan.num_tokens, pending.hidden_size, self._transport.device
         )
@@ -225,17 +269,24 @@ class AttentionEndpoint(EndpointBase):
                 pending.topk_weights,
                 shared,
             )
+        self._release(ring)
+        return accumulator.to(pending.dtype)
+
+    def _release(self, ring: int) -> None:
+        """The ring slot is free again: its replies have been read (or enqueued to be)."""
         del self._in_flight[ring]
         self._free_rings.append(ring)
         self._free_rings.sort()
-        return accumulator.to(pending.dtype)
 
     def _check_reply(
         self, dest: int, ring: int, flag: int, answers: int, pending: PendingDispatch
     ) -> Header:
         limits = self._slot.header_limits(MessageKind.REPLY, dest, num_layers=self._num_layers)
+        words = self._transport.read_header(
+            self._window.flag_index(dest, ring), flag, self._replies[dest][ring].header
+        )
         try:
-            header = decode_header(self._replies[dest][ring].header, limits)
+            header = decode_header(words, limits)
         except ProtocolError as exc:
             raise ProtocolError(f"reply from FFN rank {dest} (ring {ring}): {exc}") from None
         if header.shutdown:

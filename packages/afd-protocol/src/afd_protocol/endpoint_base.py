@@ -7,8 +7,9 @@ from typing import ClassVar
 import torch
 
 from afd_protocol.errors import TopologyError
-from afd_protocol.header import FLAG_SHUTDOWN, Header, MessageKind, encode_header
+from afd_protocol.header import FLAG_SHUTDOWN, Header, MessageKind
 from afd_protocol.layout import SlotLayout
+from afd_protocol.staging import HeaderStaging
 from afd_protocol.topology import Role
 from afd_protocol.transport import Transport
 from afd_protocol.views import SlotView, torch_dtype
@@ -39,6 +40,7 @@ class EndpointBase:
             )
         self._seq = 0
         self._shutdown_announced = False
+        self._staging = HeaderStaging(transport.device, self._slot.header_words)
 
     @property
     def rank(self) -> int:
@@ -73,7 +75,7 @@ class EndpointBase:
 
     def _write_and_publish(self, view: SlotView, header: Header, peer: int, ring: int) -> None:
         """Write ``header`` into ``view`` (payload already written), then publish its flag."""
-        view.header[: header.num_words].copy_(encode_header(header))
+        self._staging.write(view.header, header, (peer, ring))
         self._transport.publish(peer, self._window.flag_index(self._rank, ring), header.seq)
 
     def abort(self) -> None:

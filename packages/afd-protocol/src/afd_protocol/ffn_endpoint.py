@@ -112,8 +112,9 @@ class FFNEndpoint(EndpointBase):
     def _accept(self, src: int, ring: int, flag: int) -> None:
         view = self._inbox[src][ring]
         where = f"slot from attention rank {src} (ring {ring})"
+        words = self._transport.read_header(self._window.flag_index(src, ring), flag, view.header)
         try:
-            header = decode_header(view.header, self._limits)
+            header = decode_header(words, self._limits)
         except ProtocolError as exc:
             raise ProtocolError(f"FFN rank {self._rank}: {where}: {exc}") from None
         if header.kind is not MessageKind.DISPATCH or header.src_rank != src or header.seq != flag:
@@ -141,6 +142,7 @@ class FFNEndpoint(EndpointBase):
             # Taken from the header on the window's device, so an accelerator consumes the
             # counts where they landed (no host-to-device copy of the group list).
             group_list=view.header[HEADER_FIXED_WORDS : header.num_words].to(torch.int64),
+            header_words=view.header[: header.num_words],
         )
         self._arrival.setdefault(key, next(self._counter))
 

@@ -58,6 +58,13 @@ class DispatchPlan:
     def num_ffn_ranks(self) -> int:
         return len(self.segment_offsets) - 1
 
+    @functools.cached_property
+    def wire_position(self) -> torch.Tensor:
+        """int64 ``[T * k]``: wire position of each partial ``t * k + j`` (inverse of ``order``)."""
+        positions = torch.empty_like(self.order)
+        every = torch.arange(self.order.numel(), device=self.order.device)
+        return positions.scatter_(0, self.order, every)
+
     @property
     def row_k(self) -> torch.Tensor:
         """Which of its ``k`` choices each row is, in wire order (``order % k``)."""
@@ -137,8 +144,11 @@ def plan_dispatch(
 
     flat = topk_ids.reshape(-1).long()
     wire_of_expert = _wire_table(placement, device)
-    keys = wire_of_expert[flat.clamp(0, num_experts - 1)]
-    counts = torch.bincount(keys, minlength=num_experts)
+    keys = wire_of_expert.index_select(0, flat.clamp(0, num_experts - 1))
+    # index_add_ rather than bincount: on CUDA, bincount reads the largest key back to the
+    # host to size its output, a second synchronisation per layer.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.index_add_(0, keys, torch.ones_like(keys))
     order = torch.sort(keys, stable=True).indices
     # One device-to-host copy carries the range check and the counts.
     if flat.numel():

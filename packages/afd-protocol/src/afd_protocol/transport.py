@@ -13,6 +13,12 @@ are written once against this interface; a backend only moves bytes and flags:
 * :meth:`Transport.wait_any` -- block until one of a set of this window's flag words
   differs from the value last seen, with a timeout; fail fast if a watched peer set its
   abort word or died.
+* :meth:`Transport.read_header` -- the header words of a message that just arrived, on the
+  host. The default copies them out of the window; a transport whose wait already brought
+  them to the host together with the flag returns that copy, so learning what arrived
+  costs no device-to-host copy.
+* :meth:`Transport.fused_combine` -- optionally, a device kernel that combines a layer's
+  replies in one pass (:mod:`afd_protocol.fused`).
 * :meth:`Transport.abort` -- set this rank's abort word in every peer window.
 * :meth:`Transport.close` -- release everything; idempotent.
 
@@ -28,6 +34,7 @@ from types import TracebackType
 
 import torch
 
+from afd_protocol.fused import FusedCombine
 from afd_protocol.layout import WindowLayout
 from afd_protocol.topology import Role, Topology
 
@@ -81,6 +88,24 @@ class Transport(abc.ABC):
         :class:`~afd_protocol.errors.PeerAborted` when one of ``peers`` set its abort word
         or died, :class:`~afd_protocol.errors.PeerTimeout` after ``timeout`` seconds.
         """
+
+    def read_header(self, flag_index: int, value: int, header: torch.Tensor) -> torch.Tensor:
+        """Header words (host int32) of the message that set local flag ``flag_index`` to ``value``.
+
+        ``header`` is that slot's header field in :meth:`local_window`. The sender does not
+        reuse the slot before it gets an answer, so the words stay valid until this rank
+        answers. Transports override this when their :meth:`wait_any` captured the header.
+        """
+        del flag_index, value
+        return header if header.device.type == "cpu" else header.cpu()
+
+    def fused_combine(self) -> FusedCombine | None:
+        """A kernel that combines a layer's replies in one pass on this transport's device.
+
+        None (the default) makes the attention endpoint use the portable per-FFN-rank
+        :func:`~afd_protocol.plan.combine_scatter`.
+        """
+        return None
 
     @abc.abstractmethod
     def abort(self) -> None:

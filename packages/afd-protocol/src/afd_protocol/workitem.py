@@ -39,6 +39,10 @@ class WorkItemPart:
     """``[header.shared_rows, H]`` (empty unless shared experts run on the FFN side)."""
     group_list: torch.Tensor
     """Rows per local expert for this part (int64, on the window's device)."""
+    header_words: torch.Tensor
+    """The part's header as it landed (int32, on the window's device): layer, stage and
+    counts at :class:`~afd_protocol.header.Word` positions, for device code (a graph or a
+    layer-select kernel) that reads them without the host."""
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,5 @@ class PendingDispatch:
     timeout waits only for the ranks that have not answered)."""
     issued_at: float = 0.0
     """``time.monotonic()`` when the writes were issued (for timeouts and reports)."""
+    device_segment_offsets: torch.Tensor | None = None
+    """The plan's segment bounds on the device, for a fused combine (None: not used)."""

@@ -5,9 +5,16 @@
 ``wait_any`` runs one small program that polls the watched flag words of this rank's
 window with acquire loads at system scope and, as soon as one differs from the value last
 seen (or a watched peer's abort word is set, or its poll budget is spent), writes the
-flag values and a status word into *pinned host memory* with a release store. The host
-spins on that host memory: no ``cudaMemcpy`` and no stream synchronisation per check,
-which is what makes a host-polled wait cost a device-to-host round trip each time.
+flag values -- and the header of every slot whose flag changed -- into *pinned host
+memory*, then a status word with a release store. The host spins on that host memory: no
+``cudaMemcpy`` and no stream synchronisation per check (which is what makes a host-polled
+wait cost a device-to-host round trip each time), and when it learns that a message
+arrived it already holds the message's header: layer, stage, row counts and sequence
+numbers cost no further copy.
+
+The header words are read after the flag's acquire load, so they are the ones the sender
+wrote before publishing; the sender does not touch the slot again before it gets an
+answer, so they cannot be torn.
 
 ``pingpong`` is a persistent kernel for the latency benchmark: it bounces a flag between
 two GPUs N times without the host.
@@ -24,27 +31,36 @@ STATUS_SLICE_OVER = 2
 STATUS_ABORTED = 3
 
 
+REQUEST_FIXED = 4
+"""Request block words before the lists: watched count, peer count, poll budget, spare."""
+
+
 @triton.jit
 def _wait_any_kernel(
     flags,
-    index,
-    last,
-    n,
     aborts,
-    peers,
-    n_peers,
+    request,
     out,
-    max_polls,
+    window_words,
+    header_offsets,
+    headers_out,
+    header_words,
     BLOCK: tl.constexpr,
     PEER_BLOCK: tl.constexpr,
+    WORD_BLOCK: tl.constexpr,
 ):
+    # The request lives in pinned host memory, written by the host before the launch:
+    # [n, n_peers, max_polls, 0, indices[BLOCK], last_seen[BLOCK], peers[PEER_BLOCK]].
+    n = tl.load(request, volatile=True)
+    n_peers = tl.load(request + 1, volatile=True)
+    max_polls = tl.load(request + 2, volatile=True)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    where = tl.load(index + offs, mask=mask, other=0)
-    seen = tl.load(last + offs, mask=mask, other=0)
+    where = tl.load(request + 4 + offs, mask=mask, other=0, volatile=True)
+    seen = tl.load(request + 4 + BLOCK + offs, mask=mask, other=0, volatile=True)
     poffs = tl.arange(0, PEER_BLOCK)
     pmask = poffs < n_peers
-    pwhere = tl.load(peers + poffs, mask=pmask, other=0)
+    pwhere = tl.load(request + 4 + 2 * BLOCK + poffs, mask=pmask, other=0, volatile=True)
     status = 0
     polls = 0
     current = seen
@@ -61,6 +77,14 @@ def _wait_any_kernel(
             tl.where(aborted > 0, 3, tl.where(polls >= max_polls, 2, 0)),
         )
     tl.store(out + offs, current, mask=mask)
+    if status == 1:
+        arrived = mask & (current != seen)
+        base = tl.load(header_offsets + where, mask=arrived, other=0)
+        for w0 in range(0, header_words, WORD_BLOCK):
+            words = w0 + tl.arange(0, WORD_BLOCK)
+            take = arrived[:, None] & (words < header_words)[None, :]
+            tile = tl.load(window_words + base[:, None] + words[None, :], mask=take, volatile=True)
+            tl.store(headers_out + offs[:, None] * header_words + words[None, :], tile, mask=take)
     tl.atomic_xchg(out + BLOCK, status, sem="release", scope="sys")
 
 
@@ -76,57 +100,99 @@ class _HostPointer:
 
 
 class DeviceWaiter:
-    """Reusable state for device-side ``wait_any`` calls of one transport."""
+    """Reusable state for device-side ``wait_any`` calls of one transport.
 
-    def __init__(self, flags: torch.Tensor, aborts: torch.Tensor, max_indices: int) -> None:
-        self.flags = flags
-        self.aborts = aborts
-        self.block = triton.next_power_of_2(max(1, max_indices))
+    ``window_words`` is the local window as int32 words and ``header_offsets[i]`` the word
+    offset of flag ``i``'s slot header in it; ``header_words`` words are captured per
+    arrived slot. ``max_peers`` bounds the watched abort words.
+
+    Everything that changes between waits (which flags, the values last seen, which peers,
+    the poll budget) goes to the kernel through one pinned *request* block, so the kernel's
+    arguments never change: the launch is captured once into a CUDA graph and each wait is
+    one graph replay -- no Triton launch path and no host-to-device copy per wait (a copy
+    from pageable memory would make the host wait for the device).
+    """
+
+    def __init__(
+        self,
+        flags: torch.Tensor,
+        aborts: torch.Tensor,
+        window_words: torch.Tensor,
+        header_offsets: torch.Tensor,
+        header_words: int,
+        max_peers: int,
+        use_graph: bool = True,
+    ) -> None:
+        device = flags.device
+        self.block = triton.next_power_of_2(max(1, header_offsets.numel()))
+        self.peer_block = triton.next_power_of_2(max(1, max_peers))
+        self.header_words = header_words
+        words = REQUEST_FIXED + 2 * self.block + self.peer_block
+        self.request = torch.zeros(words, dtype=torch.int32).pin_memory()
         self.out = torch.zeros(self.block + 1, dtype=torch.int32).pin_memory()
-        self.seen = torch.zeros(self.block, dtype=torch.int32).pin_memory()
-        self.stream = torch.cuda.Stream(device=flags.device)  # type: ignore[no-untyped-call]
-        self._cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self.headers = torch.zeros(self.block, header_words, dtype=torch.int32).pin_memory()
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._args = (
+            flags,
+            aborts,
+            _HostPointer(self.request),
+            _HostPointer(self.out),
+            window_words,
+            header_offsets,
+            _HostPointer(self.headers),
+            header_words,
+        )
+        self._meta = {
+            "BLOCK": self.block,
+            "PEER_BLOCK": self.peer_block,
+            "WORD_BLOCK": min(128, triton.next_power_of_2(header_words)),
+        }
+        self.graph: torch.cuda.CUDAGraph | None = None
+        # Compile (and run once, watching nothing with a budget of one poll) before
+        # capturing: a graph cannot capture Triton's first-launch compilation.
+        self._submit((), (), (), 1)
+        self._launch()
+        torch.cuda.synchronize(device)
+        if use_graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                self._launch()
+            self.graph = graph
 
-    def _device_ints(self, values: tuple[int, ...]) -> torch.Tensor:
-        tensor = self._cache.get(values)
-        if tensor is None:
-            tensor = torch.tensor(list(values) or [0], dtype=torch.int32, device=self.flags.device)
-            if len(self._cache) < 256:
-                self._cache[values] = tensor
-        return tensor
+    def _launch(self) -> None:
+        _wait_any_kernel[(1,)](*self._args, **self._meta)
+
+    def _submit(
+        self, indices: tuple[int, ...], last: tuple[int, ...], peers: tuple[int, ...], polls: int
+    ) -> None:
+        b = self.block
+        request = [len(indices), len(peers), polls, 0]
+        request += list(indices) + [0] * (b - len(indices))
+        request += list(last) + [0] * (b - len(last))
+        request += list(peers) + [0] * (self.peer_block - len(peers))
+        self.out[b] = 0
+        self.request.copy_(torch.tensor(request, dtype=torch.int32))
 
     def launch(
         self, indices: tuple[int, ...], last: tuple[int, ...], peers: tuple[int, ...], polls: int
     ) -> None:
-        """Start one poll slice; then read :meth:`status` until it is non-zero.
-
-        The last-seen values go to the kernel through the same pinned buffer it answers in
-        (it reads them over PCIe once), so a launch needs no host-to-device copy.
-        """
-        self.out[self.block] = 0
-        self.seen[: len(last)] = torch.tensor(last, dtype=torch.int32)
-        index = self._device_ints(indices)
+        """Start one poll slice; then read :meth:`status` until it is non-zero."""
+        self._submit(indices, last, peers, polls)
         with torch.cuda.stream(self.stream):
-            peer_block = triton.next_power_of_2(max(1, len(peers)))
-            _wait_any_kernel[(1,)](
-                self.flags,
-                index,
-                _HostPointer(self.seen),
-                len(indices),
-                self.aborts,
-                self._device_ints(peers),
-                len(peers),
-                _HostPointer(self.out),
-                polls,
-                BLOCK=self.block,
-                PEER_BLOCK=peer_block,
-            )
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._launch()
 
     def status(self) -> int:
         return int(self.out[self.block])
 
     def values(self, n: int) -> list[int]:
         return [int(v) for v in self.out[:n].tolist()]
+
+    def header(self, position: int) -> torch.Tensor:
+        """A host copy of the header captured for watched position ``position``."""
+        return self.headers[position].clone()
 
 
 @triton.jit

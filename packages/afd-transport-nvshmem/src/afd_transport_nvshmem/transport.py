@@ -35,16 +35,26 @@ them rather than hang on a dead peer; the process exit reclaims the GPU memory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from afd_protocol import PeerAborted, PeerTimeout, Role, TopologyError, Transport, WindowLayout
+from afd_protocol import (
+    PeerAborted,
+    PeerTimeout,
+    Role,
+    Topology,
+    TopologyError,
+    Transport,
+    WindowLayout,
+)
+from afd_protocol.fused import FusedCombine
 from afd_protocol.host.rendezvous import (
     check_peers_alive,
     process_alive,
@@ -73,6 +83,34 @@ POLL_SLICE = 20000
 """Device polls per wait slice; between slices the host checks liveness and the deadline."""
 
 
+def check_one_rank_per_gpu(gpus: Mapping[int, str], topology: Topology, visible: int) -> None:
+    """Refuse two ranks on one GPU (``gpus``: world rank -> GPU UUID) before NVSHMEM starts.
+
+    Without CUDA MPS, two NVSHMEM PEs on one GPU hung at start-up on our test host rather
+    than fail, so this is checked by every rank from the same data, and all of them raise.
+    """
+    by_gpu: dict[str, list[int]] = {}
+    for world, gpu in sorted(gpus.items()):
+        by_gpu.setdefault(gpu, []).append(world)
+    shared = [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+    if not shared:
+        return
+    names = ", ".join(
+        " and ".join("{} rank {}".format(*_describe(topology, w)) for w in ranks)
+        for ranks in shared
+    )
+    raise TopologyError(
+        f"the NVSHMEM transport needs one GPU per rank, but {names} would share a GPU "
+        f"({topology.world_size} ranks, {visible} GPUs visible to this process); use fewer "
+        f"ranks, more GPUs, or pass device= so that every rank gets its own"
+    )
+
+
+def _describe(topology: Topology, world: int) -> tuple[str, int]:
+    role, rank = topology.role_of(world)
+    return role.value, rank
+
+
 class NvshmemTransport(Transport):
     """One rank's NVSHMEM windows; see the module docstring."""
 
@@ -85,6 +123,7 @@ class NvshmemTransport(Transport):
         *,
         device: int | None = None,
         wait: str = "device",
+        wait_graph: bool = True,
         connect_timeout: float = 60.0,
         liveness_interval: float = 0.05,
         library: NvshmemLibrary | None = None,
@@ -119,22 +158,26 @@ class NvshmemTransport(Transport):
             "geometry": window.describe(),
             "pid": os.getpid(),
             "start_time": process_start_time(os.getpid()),
+            "gpu": str(torch.cuda.get_device_properties(self._device).uuid),
         }
         store.set(f"afd/rank/{self._world}", json.dumps(me).encode())
         self._pids: dict[int, tuple[int, int]] = {}
-        for w in range(topo.world_size):
-            info = json.loads(store.get(f"afd/rank/{w}"))
-            self._pids[w] = (int(info["pid"]), int(info["start_time"]))
-            if w == self._world:
-                continue
-            role, r = topo.role_of(w)
-            try:
+        gpus: dict[int, str] = {}
+        try:
+            for w in range(topo.world_size):
+                info = json.loads(store.get(f"afd/rank/{w}"))
+                self._pids[w] = (int(info["pid"]), int(info["start_time"]))
+                gpus[w] = info["gpu"]
+                if w == self._world:
+                    continue
+                role, r = topo.role_of(w)
                 check_same_geometry(
                     window.describe(), info["geometry"], peer=f"{role.value} rank {r}"
                 )
-            except TopologyError as exc:
-                store.set(f"afd/failed/{self._world}", str(exc).encode())
-                raise
+            check_one_rank_per_gpu(gpus, topo, count)
+        except TopologyError as exc:
+            store.set(f"afd/failed/{self._world}", str(exc).encode())
+            raise
         store.set(f"afd/ready/{self._world}", b"1")
         self._wait_for_all("afd/ready", deadline=time.monotonic() + connect_timeout)
         bootstrap(self._lib, store, self._world, topo.world_size, "afd/nvshmem/uid")
@@ -164,6 +207,13 @@ class NvshmemTransport(Transport):
         self._memops = stream_memops_available()
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._waiter: DeviceWaiter | None = None
+        self._wait_graph = wait_graph
+        self._captured: dict[int, tuple[int, int]] = {}
+        self.capture_headers = True
+        """Use the headers device waits capture (False: copy each one, for comparison)."""
+        self.header_reads: collections.Counter[str] = collections.Counter()
+        """How arrived headers reached the host: ``captured`` by the device wait (no copy)
+        or ``copied`` out of the window (one device-to-host copy each)."""
         self.wait_mode = wait
         self._poll_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
         self._abort_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
@@ -184,11 +234,40 @@ class NvshmemTransport(Transport):
         if mode not in WAIT_MODES:
             raise TopologyError(f"wait must be one of {WAIT_MODES}, got {mode!r}")
         if mode == "device" and self._waiter is None:
-            from afd_transport_nvshmem.device_wait import DeviceWaiter
-
-            slots = self.window.num_regions * self.window.ring_depth
-            self._waiter = DeviceWaiter(self._flags, self._aborts, slots)
+            self._waiter = self._new_waiter()
         self._wait_mode = mode
+
+    @property
+    def wait_graph(self) -> bool:
+        """Device waits replay a captured CUDA graph (False: one Triton launch per wait)."""
+        return self._wait_graph
+
+    @wait_graph.setter
+    def wait_graph(self, enabled: bool) -> None:
+        if enabled != self._wait_graph:
+            self._wait_graph = enabled
+            if self._waiter is not None:
+                self._waiter = self._new_waiter()
+
+    def _new_waiter(self) -> DeviceWaiter:
+        from afd_transport_nvshmem.device_wait import DeviceWaiter
+
+        window = self.window
+        slots = window.num_regions * window.ring_depth
+        header_at = window.slot.field("header").offset
+        offsets = [
+            (window.slot_offset(*divmod(i, window.ring_depth)) + header_at) // 4
+            for i in range(slots)
+        ]
+        return DeviceWaiter(
+            self._flags,
+            self._aborts,
+            self._local[: window.total_bytes // 4 * 4].view(torch.int32),
+            torch.tensor(offsets, dtype=torch.int64, device=self._device),
+            window.slot.header_words,
+            max_peers=self.num_peers,
+            use_graph=self._wait_graph,
+        )
 
     def local_window(self) -> torch.Tensor:
         return self._local
@@ -212,10 +291,26 @@ class NvshmemTransport(Transport):
         peers: Sequence[int],
     ) -> list[int]:
         indices, last, watched = tuple(flag_indices), tuple(last_seen), tuple(peers)
+        self._captured = {}
         deadline = time.monotonic() + timeout
         if self._wait_mode == "device":
             return self._wait_device(indices, last, watched, deadline, timeout)
         return self._wait_host(indices, last, watched, deadline, timeout)
+
+    def fused_combine(self) -> FusedCombine | None:
+        """The Triton fused combine (:mod:`afd_transport_nvshmem.fused_combine`)."""
+        from afd_transport_nvshmem.fused_combine import triton_fused_combine
+
+        return triton_fused_combine
+
+    def read_header(self, flag_index: int, value: int, header: torch.Tensor) -> torch.Tensor:
+        """The header the last device wait captured with this flag, else a copy from the window."""
+        captured = self._captured.get(flag_index) if self.capture_headers else None
+        if captured is not None and captured[0] == value and self._waiter is not None:
+            self.header_reads["captured"] += 1
+            return self._waiter.header(captured[1])
+        self.header_reads["copied"] += 1
+        return super().read_header(flag_index, value, header)
 
     def _wait_device(
         self,
@@ -243,7 +338,15 @@ class NvshmemTransport(Transport):
                     raise PeerTimeout(f"{self._name}: the device wait did not report in time")
                 status = waiter.status()
             if status == 1:
-                return waiter.values(len(indices))
+                values = waiter.values(len(indices))
+                self._captured = {
+                    index: (value, position)
+                    for position, (index, value, old) in enumerate(
+                        zip(indices, values, last, strict=True)
+                    )
+                    if value != old
+                }
+                return values
             if status == 3:
                 self._raise_aborted(peers)
             if time.monotonic() >= deadline:

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import shutil
 import signal
 import tempfile
@@ -81,11 +82,20 @@ class LaunchError(AFDError):
     def __init__(self, results: dict[str, RankResult]) -> None:
         self.results = results
         failed = [r for r in results.values() if not r.ok]
-        lines = "; ".join(f"{r.name}: {r.error}" for r in failed)
+        lines = "; ".join(f"{r.name}: {r.error}{_raised_at(r.traceback)}" for r in failed)
         super().__init__(f"{len(failed)} of {len(results)} ranks failed: {lines}")
 
     def failed(self) -> list[RankResult]:
         return [r for r in self.results.values() if not r.ok]
+
+
+def _raised_at(formatted: str | None) -> str:
+    """`` (raised at FILE:LINE in FUNC)`` from a formatted traceback's innermost frame."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', formatted or "")
+    if not frames:
+        return ""
+    path, line, func = frames[-1]
+    return f" (raised at {os.path.basename(path)}:{line} in {func})"
 
 
 def _set_process_name(name: str) -> None:
