@@ -37,6 +37,12 @@ def add_parser(sub: Any) -> None:
         "--max-bytes", type=int, default=64 << 20, help="largest payload of the bandwidth sweep"
     )
     transport.add_argument("--json", type=Path, default=None, help="also write results here")
+    transport.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="nvshmem only: write torch.profiler tables of the per-layer rounds into this folder",
+    )
     transport.set_defaults(handler=run_transport)
 
 

@@ -5,7 +5,8 @@ Side by side in one run:
 * bandwidth -- one-sided ``copy_`` into the peer's mapped window (64 KB .. 256 MB) beside the
   floor: the same ``copy_`` into ordinary memory of the other GPU mapped by CUDA peer access;
 * arrival latency, one way (round trip / 2) -- host-polled ``wait_any`` (one D2H copy per
-  check), device ``wait_any`` (a Triton poll reporting to pinned host memory), stream
+  check), device ``wait_any`` (a Triton poll reporting to pinned host memory, replayed from
+  a CUDA graph, and the same kernel launched through Triton each time), stream
   memory operations (``cuStreamWaitValue32``/``cuStreamWriteValue32``, no host in the
   loop) and a persistent Triton ping-pong kernel (no host in the loop);
 * dispatch + combine per layer, 1 attention x 1 FFN, DeepSeek-V2-Lite shapes (hidden
@@ -35,7 +36,7 @@ from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.stats import human_bytes
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
-LAYER_TOKENS = [1024, 4096, 16384]
+LAYER_TOKENS = [1024, 4096, 8192, 16384]
 HIDDEN, EXPERTS, TOPK = 2048, 64, 6
 
 
@@ -116,12 +117,15 @@ def _latency_and_bandwidth(t: Transport, iterations: int, repeats: int) -> dict[
     from afd_transport_nvshmem.device_wait import pingpong
 
     report: dict[str, Any] = {}
-    for ring, mode in ((0, "host"), (1, "device")):
-        _log(t, f"wait_any ping-pong, {mode} waits")
+    for ring, mode, graph in ((0, "host", True), (1, "device", True), (4, "device", False)):
+        name = mode if graph else f"{mode}_launch"
+        _log(t, f"wait_any ping-pong, {name} waits")
         t.wait_mode = mode  # type: ignore[attr-defined]
+        t.wait_graph = graph  # type: ignore[attr-defined]
         samples = _pingpong_transport(t, ring, iterations)[iterations // 10 :]
         if samples:
-            report[f"wait_any_{mode}_us"] = statistics.median(samples) / 2 * 1e6
+            report[f"wait_any_{name}_us"] = statistics.median(samples) / 2 * 1e6
+    t.wait_graph = True  # type: ignore[attr-defined]
     window = t.window
     local_flags = t.local_window()[window.flags_offset :].view(torch.int32)
     peer_flags = t.peer_window(0)[window.flags_offset :].view(torch.int32)
@@ -196,28 +200,92 @@ def _latency_and_bandwidth(t: Transport, iterations: int, repeats: int) -> dict[
     return report
 
 
-def _layer_attention(t: Transport, tokens: list[int], repeats: int) -> dict[str, float]:
+LAYER_MODES = {
+    "device": ("device", True, True),
+    "torch-combine": ("device", True, False),
+    "copied-header": ("device", False, True),
+    "host": ("host", False, False),
+}
+"""Per-layer variants as (wait, header capture, fused combine): everything on (the
+default); the portable per-FFN-rank combine instead of the fused kernel; each header copied
+out of the window instead of captured by the wait; host-polled waits with neither (what a
+straightforward implementation does)."""
+
+
+def _layer_attention(
+    t: Transport, tokens: list[int], repeats: int, profile: str | None
+) -> dict[str, float]:
+    """Time dispatch + combine per mode, the modes interleaved round by round (side by side:
+    clock and thermal drift hit every mode alike)."""
     endpoint = AttentionEndpoint(t, timeout=120.0)
     gen = torch.Generator(device=t.device).manual_seed(0)
     results = {}
-    for mode in ("device", "host"):
-        t.wait_mode = mode  # type: ignore[attr-defined]
-        for n in tokens:
-            x = torch.randn(n, HIDDEN, device=t.device, generator=gen).to(torch.bfloat16)
-            ids = torch.rand(n, EXPERTS, device=t.device, generator=gen).topk(TOPK, -1).indices
-            w = torch.rand(n, TOPK, device=t.device, generator=gen)
+
+    def use(mode: str) -> None:
+        wait, capture, fused = LAYER_MODES[mode]
+        t.wait_mode = wait  # type: ignore[attr-defined]
+        t.capture_headers = capture  # type: ignore[attr-defined]
+        endpoint.fused_combine = fused
+
+    for n in tokens:
+        x = torch.randn(n, HIDDEN, device=t.device, generator=gen).to(torch.bfloat16)
+        ids = torch.rand(n, EXPERTS, device=t.device, generator=gen).topk(TOPK, -1).indices
+        w = torch.rand(n, TOPK, device=t.device, generator=gen)
+        for mode in LAYER_MODES:
+            use(mode)
             for _ in range(2):
                 endpoint.combine(endpoint.dispatch(0, x, ids, w))
-            torch.cuda.synchronize(t.device)
-            samples = []
-            for _ in range(repeats):
+        torch.cuda.synchronize(t.device)
+        samples: dict[str, list[tuple[float, ...]]] = {m: [] for m in LAYER_MODES}
+        for _ in range(repeats):
+            for mode in LAYER_MODES:
+                use(mode)
+                marks = [_event() for _ in range(3)]
                 start = time.perf_counter()
-                endpoint.combine(endpoint.dispatch(0, x, ids, w))
+                marks[0].record()
+                handle = endpoint.dispatch(0, x, ids, w)
+                marks[1].record()
+                issued = time.perf_counter()
+                out = endpoint.combine(handle)
+                marks[2].record()
+                combined = time.perf_counter()
                 torch.cuda.synchronize(t.device)
-                samples.append(time.perf_counter() - start)
-            results[f"{mode}/{n}"] = statistics.median(samples)
+                total = time.perf_counter() - start
+                gpu_dispatch = marks[0].elapsed_time(marks[1]) / 1e3
+                gpu_rest = marks[1].elapsed_time(marks[2]) / 1e3
+                samples[mode].append(
+                    (total, issued - start, combined - issued, gpu_dispatch, gpu_rest)
+                )
+                del out
+        for mode, rows in samples.items():
+            columns = list(zip(*rows, strict=True))
+            names = (
+                "",
+                "/dispatch_call",
+                "/combine_call",
+                "/dispatch_gpu",
+                "/reply_and_combine_gpu",
+            )
+            for name, column in zip(names, columns, strict=True):
+                results[f"{mode}/{n}{name}"] = statistics.median(column)
+        if profile:
+            use("device")
+            _profile_layer(endpoint, x, ids, w, f"{profile}/attention-{n}.txt")
     endpoint.announce_shutdown()
     return results
+
+
+def _profile_layer(endpoint: AttentionEndpoint, x: Any, ids: Any, w: Any, path: str) -> None:
+    """Write a torch.profiler table of five dispatch+combine rounds (CPU and CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            endpoint.combine(endpoint.dispatch(0, x, ids, w))
+        torch.cuda.synchronize(x.device)
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+    with open(path, "w") as out:
+        out.write(table)
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -232,7 +300,7 @@ def run(args: Any) -> dict[str, Any]:
     }
     rows = max(SIZES) // (4096 * 2)
     big = SlotLayout(Topology(1, 1, 1), 4096, rows, 1, routed_cap_multiplier=1.0).window(
-        ring_depth=4
+        ring_depth=5
     )
     specs = [
         RankSpec(
@@ -273,18 +341,78 @@ def run(args: Any) -> dict[str, Any]:
     layer = SlotLayout(
         Topology(1, 1, EXPERTS), HIDDEN, max(tokens), TOPK, dtype="bfloat16"
     ).window()
+    profile = getattr(args, "profile", None)
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
     specs = [
-        RankSpec(Role.ATTENTION, 0, _layer_attention, {"tokens": tokens, "repeats": args.repeats}),
-        RankSpec(Role.FFN, 0, serve_identity),
+        RankSpec(
+            Role.ATTENTION,
+            0,
+            _layer_attention,
+            {
+                "tokens": tokens,
+                "repeats": args.repeats,
+                "profile": None if profile is None else str(profile),
+            },
+        ),
+        RankSpec(Role.FFN, 0, serve_identity, {"timing": True}),
     ]
     per_layer = launch(layer, specs, timeout=600, transport_factory=nvshmem_transport)
     times = per_layer["attention rank 0"].value
-    report["layer"] = times
+    ffn = per_layer["ffn rank 0"].value
+    report["ffn_reply"] = {
+        "host_ms": {str(k): v for k, v in ffn.get("reply_host_ms", {}).items()},
+        "gpu_ms": {str(k): v for k, v in ffn.get("reply_gpu_ms", {}).items()},
+    }
+    report["layer"] = {k: v for k, v in times.items() if k.count("/") == 1}
+    report["layer_calls"] = {k: v for k, v in times.items() if k.count("/") == 2}
+    floor_gbs = _floor_gbs(report["bandwidth"])
+    report["layer_floor_gbs"] = floor_gbs
     print(
         f"\ndispatch + combine per layer, 1A1F, hidden {HIDDEN} bf16, {EXPERTS} experts "
-        f"top-{TOPK}, identity FFN (median ms)"
+        f"top-{TOPK}, identity FFN (median ms). 'device' = device wait, header captured with "
+        f"the flag, fused combine kernel; 'torch comb' = the same with the portable combine; "
+        f"'copied hdr' = the same with each header copied out of the window; 'host' = host "
+        f"polls, copied headers, portable combine. 'floor' = the rows there and back at the "
+        f"same-run peer copy_ bandwidth ({floor_gbs:.0f} GB/s)."
     )
-    print(f"  {'tokens':>6} {'device wait':>12} {'host poll':>10}")
+    print(
+        f"  {'tokens':>6} {'device':>8} {'torch comb':>10} {'copied hdr':>10} {'host':>8} "
+        f"{'floor':>7} {'floor/device':>12} {'host/device':>11}"
+    )
     for n in tokens:
-        print(f"  {n:6d} {times[f'device/{n}'] * 1e3:12.2f} {times[f'host/{n}'] * 1e3:10.2f}")
+        floor = 2 * n * TOPK * HIDDEN * 2 / (floor_gbs * 1e9)
+        report["layer"][f"floor/{n}"] = floor
+        ms = {m: times[f"{m}/{n}"] * 1e3 for m in LAYER_MODES}
+        print(
+            f"  {n:6d} {ms['device']:8.2f} {ms['torch-combine']:10.2f} "
+            f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {floor * 1e3:7.2f} "
+            f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f}"
+        )
+    print(
+        "\nwhere the 'device' time goes (median ms): attention host time in dispatch() and in "
+        "combine(); attention GPU time from the start of dispatch to its last write, and from "
+        "there to the end of the combine (the FFN round trip included); FFN host time in "
+        "reply() and GPU time of the reply"
+    )
+    print(
+        f"  {'tokens':>6} {'dispatch()':>10} {'combine()':>9} {'dispatch GPU':>12} "
+        f"{'reply+combine GPU':>17} {'FFN reply()':>11} {'FFN reply GPU':>13}"
+    )
+    ffn_host, ffn_gpu = report["ffn_reply"]["host_ms"], report["ffn_reply"]["gpu_ms"]
+    for n in tokens:
+        k = f"device/{n}"
+        print(
+            f"  {n:6d} {times[k + '/dispatch_call'] * 1e3:10.2f} "
+            f"{times[k + '/combine_call'] * 1e3:9.2f} {times[k + '/dispatch_gpu'] * 1e3:12.2f} "
+            f"{times[k + '/reply_and_combine_gpu'] * 1e3:17.2f} "
+            f"{ffn_host.get(str(n * TOPK), float('nan')):11.2f} "
+            f"{ffn_gpu.get(str(n * TOPK), float('nan')):13.2f}"
+        )
     return report
+
+
+def _floor_gbs(bandwidth: dict[str, Any]) -> float:
+    """The same-run peer copy_ bandwidth at the largest measured size."""
+    size, point = max(bandwidth.items(), key=lambda item: int(item[0]))
+    return float(int(size) / point.get("peer_copy", point["window"]) / 1e9)
