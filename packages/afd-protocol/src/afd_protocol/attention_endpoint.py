@@ -25,7 +25,7 @@ from afd_protocol.errors import (
 from afd_protocol.fused import CombineInputs
 from afd_protocol.header import Header, MessageKind, decode_header
 from afd_protocol.plan import combine_scatter, new_accumulator, plan_dispatch
-from afd_protocol.staging import host_to_device
+from afd_protocol.staging import PinnedStaging
 from afd_protocol.topology import Role
 from afd_protocol.transport import Transport
 from afd_protocol.views import SlotView, flag_words, slot_view
@@ -71,6 +71,13 @@ class AttentionEndpoint(EndpointBase):
                 offsets = [self._window.field_offset(d, ring, field) // itemsize for d in ffn_ranks]
                 return torch.tensor(offsets, dtype=torch.int64, device=transport.device)
 
+            self._segments = PinnedStaging(transport.device)
+            self._segment_offsets = [
+                torch.zeros(
+                    self._topology.num_ffn_ranks + 1, dtype=torch.int64, device=transport.device
+                )
+                for _ in rings
+            ]
             self._routed_starts = [starts("routed_rows", r) for r in rings]
             self._shared_starts = (
                 [starts("shared_rows", r) for r in rings] if self._slot.shared_cap else None
@@ -164,7 +171,9 @@ class AttentionEndpoint(EndpointBase):
             raise
         if self._fused is not None and self.fused_combine:
             # Ready before the replies are: computed while the FFN ranks work.
-            pending.device_segment_offsets = host_to_device(plan.segment_offsets, device)
+            segments = self._segment_offsets[ring]
+            self._segments.copy(segments, plan.segment_offsets, ring)
+            pending.device_segment_offsets = segments
             plan.wire_position  # noqa: B018 - computes and caches it now
         self._in_flight[ring] = pending
         return pending

@@ -40,7 +40,7 @@ class EndpointBase:
             )
         self._seq = 0
         self._shutdown_announced = False
-        self._staging = HeaderStaging(transport.device, self._slot.header_words)
+        self._staging = HeaderStaging(transport.device)
 
     @property
     def rank(self) -> int:

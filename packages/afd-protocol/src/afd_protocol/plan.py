@@ -120,6 +120,12 @@ def _wire_table(placement: ExpertPlacement, device: torch.device) -> torch.Tenso
     return torch.tensor(placement.wire_position, dtype=torch.long, device=device)
 
 
+@functools.lru_cache(maxsize=16)
+def _one(device: torch.device) -> torch.Tensor:
+    """A long 1 on ``device``; expanded, it is the all-ones source of a count (no launch)."""
+    return torch.ones(1, dtype=torch.long, device=device)
+
+
 def plan_dispatch(
     topk_ids: torch.Tensor,
     topology: Topology,
@@ -148,15 +154,16 @@ def plan_dispatch(
     # index_add_ rather than bincount: on CUDA, bincount reads the largest key back to the
     # host to size its output, a second synchronisation per layer.
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.index_add_(0, keys, torch.ones_like(keys))
+    counts.index_add_(0, keys, _one(device).expand(keys.numel()))
     order = torch.sort(keys, stable=True).indices
-    # One device-to-host copy carries the range check and the counts.
+    # One device-to-host copy carries the range check and the counts (each launch costs the
+    # host several microseconds, so the bounds come from one aminmax and ride along).
     if flat.numel():
-        bounds = torch.stack([flat.min(), flat.max()])
+        low_t, high_t = torch.aminmax(flat)
+        host = torch.cat([low_t.view(1), high_t.view(1), counts]).tolist()
     else:
-        bounds = torch.zeros(2, dtype=torch.long, device=device)
-    host = torch.cat([bounds, counts]).tolist()
-    low, high, host_counts = host[0], host[1], tuple(int(c) for c in host[2:])
+        host = [0, 0, *counts.tolist()]
+    low, high, host_counts = host[0], host[1], tuple(host[2:])
     if low < 0 or high >= num_experts:
         bad = low if low < 0 else high
         raise TopologyError(

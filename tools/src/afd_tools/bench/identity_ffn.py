@@ -16,13 +16,30 @@ import torch
 from afd_protocol import ConnectorShutdown, FFNEndpoint, Transport
 
 
-def serve_identity(transport: Transport, timing: bool = False) -> dict[str, Any]:
+def serve_identity(
+    transport: Transport, timing: bool = False, profile: str | None = None
+) -> dict[str, Any]:
     """Serve until every attention rank shuts down.
 
     Returns the number of work items served and, with ``timing`` on a CUDA transport, per
     item size (routed rows): the median host time of ``reply`` and the median GPU time from
-    the item's arrival on the host to its reply being published.
+    the item's arrival on the host to its reply being published. With ``profile``, a
+    cProfile of the whole loop is written to that path.
     """
+    if profile is None:
+        return _serve(transport, timing)
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(_serve, transport, timing)
+    finally:
+        with open(profile, "w") as out:
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+
+
+def _serve(transport: Transport, timing: bool) -> dict[str, Any]:
     endpoint = FFNEndpoint(transport, timeout=120.0)
     timed = timing and transport.device.type == "cuda"
     host: dict[int, list[float]] = defaultdict(list)

@@ -195,9 +195,37 @@ def _latency_and_bandwidth(t: Transport, iterations: int, repeats: int) -> dict[
             point["checked"] = bool(torch.equal(dst[:4096].cpu(), src[:4096].cpu()))
             bandwidth[str(size)] = point
         report["bandwidth"] = bandwidth
+        report["gather"] = _gather_into_peer(t, peer, rows_at, repeats)
     _pingpong_transport(t, 3, 3)  # the FFN side waits here until the writer is done
     _log(t, "done")
     return report
+
+
+def _gather_into_peer(
+    t: Transport, peer: torch.Tensor, rows_at: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Dispatch's gather (rows in wire order, ``index_select`` into the peer window) beside
+    a plain ``copy_`` of the same bytes, at 1K..16K tokens."""
+    gen = torch.Generator(device=t.device).manual_seed(1)
+    out: dict[str, dict[str, float]] = {}
+    for n in LAYER_TOKENS:
+        count = n * TOPK
+        nbytes = count * HIDDEN * 2
+        if rows_at + nbytes > peer.numel():
+            continue
+        dst = peer[rows_at : rows_at + nbytes].view(torch.bfloat16).view(count, HIDDEN)
+        x = torch.randn(n, HIDDEN, device=t.device, generator=gen).to(torch.bfloat16)
+        ids = torch.rand(n, EXPERTS, device=t.device, generator=gen).topk(TOPK, -1).indices
+        index = torch.sort(ids.reshape(-1), stable=True).indices // TOPK
+        contiguous = x.index_select(0, index)
+        reps = max(5, repeats)
+        point = {
+            "index_select": _timed(partial(torch.index_select, x, 0, index, out=dst), reps),
+            "copy": _timed(partial(dst.copy_, contiguous), reps),
+        }
+        point["checked"] = float(torch.equal(dst[:64].cpu(), contiguous[:64].cpu()))
+        out[str(n)] = point
+    return out
 
 
 LAYER_MODES = {
@@ -270,22 +298,37 @@ def _layer_attention(
                 results[f"{mode}/{n}{name}"] = statistics.median(column)
         if profile:
             use("device")
-            _profile_layer(endpoint, x, ids, w, f"{profile}/attention-{n}.txt")
+            _profile_layer(endpoint, x, ids, w, f"{profile}/attention.txt")
     endpoint.announce_shutdown()
     return results
 
 
 def _profile_layer(endpoint: AttentionEndpoint, x: Any, ids: Any, w: Any, path: str) -> None:
-    """Write a torch.profiler table of five dispatch+combine rounds (CPU and CUDA time)."""
+    """Append to ``path`` a torch.profiler table of five dispatch+combine rounds (CPU and CUDA
+    time per op) and a cProfile of fifty (where the host's time goes, call by call)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             endpoint.combine(endpoint.dispatch(0, x, ids, w))
         torch.cuda.synchronize(x.device)
-    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
-    with open(path, "w") as out:
-        out.write(table)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(50):
+        endpoint.combine(endpoint.dispatch(0, x, ids, w))
+    torch.cuda.synchronize(x.device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    with open(path, "a") as out:
+        out.write(f"==== {x.shape[0]} tokens: torch.profiler, 5 rounds ====\n")
+        out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        out.write(f"\n==== {x.shape[0]} tokens: cProfile, 50 rounds ====\n")
+        out.write(text.getvalue())
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -315,6 +358,7 @@ def run(args: Any) -> dict[str, Any]:
     attention = micro["attention rank 0"].value
     report["latency_us"] = {k: v for k, v in attention.items() if k.endswith("_us")}
     report["bandwidth"] = attention["bandwidth"]
+    report["gather"] = attention["gather"]
     print(f"NVSHMEM transport on {report['gpu']} x2, torch {report['torch']}")
     print("\narrival latency, one way (round trip / 2, median):")
     for key, value in report["latency_us"].items():
@@ -337,6 +381,16 @@ def run(args: Any) -> dict[str, Any]:
             f"{'ok' if ok else 'MISMATCH'}"
         )
 
+    print("\ndispatch's gather into the peer window (rows of 2048 bf16 in wire order), GB/s:")
+    print(f"  {'tokens':>6} {'index_select':>12} {'copy_':>8} {'ratio':>6} check")
+    for n, r in report["gather"].items():
+        nbytes = int(n) * TOPK * HIDDEN * 2
+        gbs = {k: nbytes / r[k] / 1e9 for k in ("index_select", "copy")}
+        print(
+            f"  {n:>6} {gbs['index_select']:12.1f} {gbs['copy']:8.1f} "
+            f"{gbs['index_select'] / gbs['copy']:6.2f} {'ok' if r['checked'] else 'MISMATCH'}"
+        )
+
     tokens = [n for n in LAYER_TOKENS if n <= args.max_tokens]
     layer = SlotLayout(
         Topology(1, 1, EXPERTS), HIDDEN, max(tokens), TOPK, dtype="bfloat16"
@@ -355,7 +409,12 @@ def run(args: Any) -> dict[str, Any]:
                 "profile": None if profile is None else str(profile),
             },
         ),
-        RankSpec(Role.FFN, 0, serve_identity, {"timing": True}),
+        RankSpec(
+            Role.FFN,
+            0,
+            serve_identity,
+            {"timing": True, "profile": None if profile is None else f"{profile}/ffn.txt"},
+        ),
     ]
     per_layer = launch(layer, specs, timeout=600, transport_factory=nvshmem_transport)
     times = per_layer["attention rank 0"].value

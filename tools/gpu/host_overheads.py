@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Host cost of each call on the per-message path, on one CUDA GPU (no NVSHMEM needed).
+
+The per-layer benchmark shows the host, not the link, bounding small layers; this prints
+the median host time of every call a dispatch, a reply and a combine make, so the
+expensive ones can be found without a profiler's own overhead in the way.
+Run: PYTHONPATH=packages/afd-protocol/src:packages/afd-transport-nvshmem/src python3
+tools/gpu/host_overheads.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from afd_protocol import Header, MessageKind, Topology, decode_header, encode_words, plan_dispatch
+from afd_protocol.staging import HeaderStaging, PinnedStaging
+from afd_transport_nvshmem.cuda_memory import stream_write_value32
+
+
+def median_us(fn: Callable[[], object], n: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def main() -> None:
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    stream = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+    flag = torch.zeros(64, dtype=torch.int32, device=dev)
+    small = torch.zeros(256, device=dev)
+    small_dst = torch.zeros(256, device=dev)
+    header = Header(MessageKind.DISPATCH, 0, 3, 0, 1024, 6144, 0, 7, expert_counts=tuple([96] * 64))
+    words = encode_words(header)
+    word_tensor = torch.tensor(words, dtype=torch.int32)
+    staging = HeaderStaging(dev)
+    pinned = PinnedStaging(dev)
+    segments = torch.zeros(2, dtype=torch.int64, device=dev)
+    dest = torch.zeros(78, dtype=torch.int32, device=dev)
+    event = torch.Event(device=dev)
+    event.record(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        small.add_(1)
+    topo = Topology(1, 1, 64)
+    ids = torch.rand(1024, 64, device=dev).topk(6, -1).indices
+    keys = ids.reshape(-1)
+    counter = [0]
+
+    def write_flag() -> None:
+        counter[0] += 1
+        stream_write_value32(flag.data_ptr(), counter[0], stream)
+
+    def enter_stream() -> None:
+        with torch.cuda.stream(side):
+            pass
+
+    rows = [
+        ("torch.cuda.current_stream(device)", lambda: torch.cuda.current_stream(dev)),
+        ("torch.cuda.current_stream()", lambda: torch.cuda.current_stream()),
+        ("torch.accelerator.current_stream(device)", lambda: torch.accelerator.current_stream(dev)),
+        ("with torch.cuda.stream(side): pass", enter_stream),
+        ("cuStreamWriteValue32 (cuda-bindings)", write_flag),
+        ("small.add_(1) (one kernel launch)", lambda: small.add_(1)),
+        ("small copy_ D2D", lambda: small_dst.copy_(small)),
+        ("CUDAGraph.replay (one kernel)", graph.replay),
+        ("torch.tensor(78 ints)", lambda: torch.tensor(words, dtype=torch.int32)),
+        ("pageable H2D copy_ of 78 words", lambda: dest.copy_(word_tensor)),
+        ("HeaderStaging.write", lambda: staging.write(dest, header, (0, 0))),
+        ("PinnedStaging.copy (2 int64)", lambda: pinned.copy(segments, (0, 6144), 0)),
+        ("torch.Event.query", event.query),
+        ("torch.Event.record", lambda: event.record(stream)),
+        ("encode_words (64 counts)", lambda: encode_words(header)),
+        ("decode_header (64 counts)", lambda: decode_header(words)),
+        ("torch.sort 6K int64, stable", lambda: torch.sort(keys, stable=True)),
+        ("plan_dispatch 1K x top-6 (one sync)", lambda: plan_dispatch(ids, topo)),
+        ("torch.cuda.synchronize", torch.cuda.synchronize),
+    ]
+    print(f"host time per call, median of 2000, {torch.cuda.get_device_name(dev)}")
+    for name, fn in rows:
+        print(f"  {name:42s} {median_us(fn):8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
