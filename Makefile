@@ -42,7 +42,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict packages/afd-protocol/src
-	$(VENV)/bin/mypy $(foreach d,$(filter-out packages/afd-protocol,$(PKG_DIRS)),$(d)/src) tools/dev tools/gpu/summary.py
+	$(VENV)/bin/mypy $(foreach d,$(filter-out packages/afd-protocol,$(PKG_DIRS)),$(d)/src) tools/dev tools/gpu/summary.py tools/gpu/host_overheads.py
 
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports

@@ -4,32 +4,24 @@
 The per-layer benchmark shows the host, not the link, bounding small layers; this prints
 the median host time of every call a dispatch, a reply and a combine make, so the
 expensive ones can be found without a profiler's own overhead in the way.
-Run: PYTHONPATH=packages/afd-protocol/src:packages/afd-transport-nvshmem/src python3
-tools/gpu/host_overheads.py
+Run (the GPU suite does): PYTHONPATH=packages/afd-protocol/src:packages/afd-transport-nvshmem/src:
+tools/src python3 tools/gpu/host_overheads.py
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from afd_protocol import Header, MessageKind, Topology, decode_header, encode_words, plan_dispatch
 from afd_protocol.staging import HeaderStaging, PinnedStaging
+from afd_tools.bench.stats import median_seconds
 from afd_transport_nvshmem.cuda_memory import stream_write_value32
 
 
 def median_us(fn: Callable[[], object], n: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    samples = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+    return median_seconds(fn, n, warmup=50) * 1e6
 
 
 def main() -> None:
