@@ -21,6 +21,7 @@ from afd_protocol import (
     Word,
     flag_words,
     plan_dispatch,
+    reference_device_pack,
     reference_fused_combine,
     slot_view,
 )
@@ -451,3 +452,59 @@ def test_wire_position_inverts_the_wire_order() -> None:
     # Walking the wire order, the experts (mapped to wire positions) never decrease.
     wire_of = torch.tensor(topo.expert_placement.wire_position)
     assert torch.all(wire_of[ids.reshape(-1)[plan.order]].diff() >= 0)
+
+
+class PackingLoopbackTransport(FusedLoopbackTransport):
+    """Also offers the reference device pack, counting its calls."""
+
+    packs = 0
+
+    def device_pack(self):  # type: ignore[no-untyped-def]
+        def run(inputs):  # type: ignore[no-untyped-def]
+            PackingLoopbackTransport.packs += 1
+            reference_device_pack(inputs)
+
+        return run
+
+
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(shared: str) -> None:
+    """Dispatches packed from a device-side plan (headers, counts and checksums written by the
+    pack) decode on the FFN side and combine to the reference. Every FFN rank is sent to: one
+    whose experts got nothing serves an empty part. A batch that could overflow a rank takes
+    the portable path; expert ids out of range fail the combine, naming the id."""
+    world = make_world(a=1, f=3, experts=7, shared=shared, ring_depth=2, tokens=32)
+    experts = linear_experts(world)
+    attention = AttentionEndpoint(PackingLoopbackTransport(world, Role.ATTENTION, 0), timeout=0.05)
+    ffns = [FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(3)]
+    topo = world.window.slot.topology
+    ffn0_and_1 = [e for r in (0, 1) for e in topo.local_experts(r)]
+    routed_cap = world.window.slot.routed_cap
+    jobs = [
+        (1, *route(20, 3, list(range(7)), 21)),
+        (2, *route(9, 3, ffn0_and_1, 22)),  # FFN rank 2's experts get nothing
+        (0, *route(2, 3, list(range(7)), 23)),
+        (3, *route(32, 3, list(range(7)), 24)),  # 96 rows > routed_cap: the portable path
+    ]
+    assert 32 * 3 > routed_cap >= 20 * 3
+    PackingLoopbackTransport.packs = 0
+    served: list[tuple[int, int, int]] = []
+    for batch in (jobs[:2], jobs[2:]):
+        handles = [
+            attention.dispatch(layer, x, ids, w, stage=stage)
+            for stage, (layer, x, ids, w) in enumerate(batch)
+        ]
+        served += drain(ffns, experts)
+        for (layer, x, ids, w), handle in zip(batch, handles, strict=True):
+            out = attention.combine(handle)
+            expected = experts.reference(layer, x, ids, w, shared == "ffn")
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert PackingLoopbackTransport.packs == 3
+    # FFN rank 2 served layer 2 (an empty part) because the packed path sends to everyone.
+    assert (2, 0, 2) in served
+    x, ids, w = route(4, 3, list(range(7)), 25)
+    handle = attention.dispatch(0, x, ids.masked_fill(ids == ids[0, 0], 9), w)
+    drain(ffns, experts)
+    with pytest.raises(TopologyError, match="expert id 9, outside \\[0, 7\\)"):
+        attention.combine(handle)
+    assert attention.in_flight == 0  # the ring came back

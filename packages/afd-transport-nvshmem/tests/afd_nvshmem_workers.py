@@ -14,7 +14,9 @@ from afd_protocol import (
     AttentionEndpoint,
     CapacityError,
     ConnectorShutdown,
+    DevicePlan,
     FFNEndpoint,
+    PendingDispatch,
     Transport,
     Word,
     expert_ids_from_counts,
@@ -37,6 +39,15 @@ def no_host_sync(enabled: bool) -> Iterator[None]:
 
 def _header_reads(transport: Transport) -> dict[str, int]:
     return dict(getattr(transport, "header_reads", {}))
+
+
+def _plan_summary(handle: PendingDispatch) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
+    """Who was waited on, the segment bounds and the counts (read back from a device plan)."""
+    plan = handle.plan
+    if isinstance(plan, DevicePlan):
+        segments = tuple(plan.segment_offsets.tolist())
+        return sorted(handle.expected_ffn), segments, tuple(plan.expert_counts.tolist())
+    return sorted(handle.expected_ffn), plan.segment_offsets, plan.host_expert_counts
 
 
 def _experts(transport: Transport, layers: int, seed: int) -> LinearExperts:
@@ -151,10 +162,7 @@ def attention_jobs(
                 relative_error(result, experts.reference(layer, x, ids, w, shared))
             )
             if record:
-                plan = handle.plan
-                out["plans"].append(
-                    (sorted(handle.expected_ffn), plan.segment_offsets, plan.host_expert_counts)
-                )
+                out["plans"].append(_plan_summary(handle))
                 out["outputs"].append(result.float().cpu())
     if transport.device.type == "cuda":
         torch.cuda.synchronize(transport.device)

@@ -19,6 +19,13 @@ transport can build on it:
 from importlib.metadata import PackageNotFoundError, version
 
 from afd_protocol.attention_endpoint import AttentionEndpoint
+from afd_protocol.device_pack import (
+    DevicePack,
+    DevicePlan,
+    PackInputs,
+    plan_on_device,
+    reference_device_pack,
+)
 from afd_protocol.errors import (
     AFDError,
     CapacityError,
@@ -83,6 +90,8 @@ __all__ = [
     "CapacityError",
     "CombineInputs",
     "ConnectorShutdown",
+    "DevicePack",
+    "DevicePlan",
     "DispatchPlan",
     "ExpertPlacement",
     "FFNEndpoint",
@@ -93,6 +102,7 @@ __all__ = [
     "LoopbackTransport",
     "LoopbackWorld",
     "MessageKind",
+    "PackInputs",
     "PeerAborted",
     "PeerTimeout",
     "PendingDispatch",
@@ -121,6 +131,8 @@ __all__ = [
     "flag_words",
     "new_accumulator",
     "plan_dispatch",
+    "plan_on_device",
+    "reference_device_pack",
     "reference_fused_combine",
     "slot_view",
     "torch_dtype",

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from afd_protocol.device_pack import DevicePlan, PackInputs, plan_on_device
 from afd_protocol.endpoint_base import EndpointBase
 from afd_protocol.errors import (
     AFDError,
@@ -23,9 +24,16 @@ from afd_protocol.errors import (
     TopologyError,
 )
 from afd_protocol.fused import CombineInputs
-from afd_protocol.header import Header, MessageKind, decode_header
-from afd_protocol.plan import combine_scatter, new_accumulator, plan_dispatch
-from afd_protocol.staging import PinnedStaging
+from afd_protocol.header import HEADER_FIXED_WORDS, Header, MessageKind, decode_header, encode_words
+from afd_protocol.plan import (
+    DispatchPlan,
+    WireOrder,
+    check_expert_bounds,
+    combine_scatter,
+    new_accumulator,
+    plan_dispatch,
+)
+from afd_protocol.staging import HostReadback, PinnedStaging
 from afd_protocol.topology import Role
 from afd_protocol.transport import Transport
 from afd_protocol.views import SlotView, flag_words, slot_view
@@ -71,7 +79,7 @@ class AttentionEndpoint(EndpointBase):
                 offsets = [self._window.field_offset(d, ring, field) // itemsize for d in ffn_ranks]
                 return torch.tensor(offsets, dtype=torch.int64, device=transport.device)
 
-            self._segments = PinnedStaging(transport.device)
+            self._small_copies = PinnedStaging(transport.device)
             self._segment_offsets = [
                 torch.zeros(
                     self._topology.num_ffn_ranks + 1, dtype=torch.int64, device=transport.device
@@ -82,6 +90,16 @@ class AttentionEndpoint(EndpointBase):
             self._shared_starts = (
                 [starts("shared_rows", r) for r in rings] if self._slot.shared_cap else None
             )
+        self._pack = transport.device_pack() if self._fused is not None else None
+        self.device_pack = self._pack is not None
+        """Pack a dispatch on the device when it cannot overflow (:mod:`afd_protocol.device_pack`:
+        no host read of the counts); False: always the portable plan."""
+        if self._pack is not None:
+            shape = (self._topology.num_ffn_ranks, HEADER_FIXED_WORDS)
+            self._fixed_words = [
+                torch.zeros(shape, dtype=torch.int32, device=transport.device) for _ in rings
+            ]
+            self._readback = HostReadback(transport.device)
 
     @property
     def in_flight(self) -> int:
@@ -138,7 +156,11 @@ class AttentionEndpoint(EndpointBase):
                 "hidden_states requires grad; dispatch under torch.inference_mode() or "
                 "torch.no_grad() (the wire carries values, not autograd history)"
             )
-        plan = plan_dispatch(topk_ids, self._topology, self._slot.shared_placement, self._slot)
+        plan: DispatchPlan | DevicePlan
+        if self._packs_on_device(topk_ids):
+            plan = plan_on_device(topk_ids, self._topology, self._slot.shared_placement)
+        else:
+            plan = plan_dispatch(topk_ids, self._topology, self._slot.shared_placement, self._slot)
         if not self._free_rings:
             raise TopologyError(
                 f"ring exhausted: {len(self._in_flight)} dispatches are in flight and ring_depth "
@@ -146,9 +168,6 @@ class AttentionEndpoint(EndpointBase):
                 f"number of stages in flight"
             )
         ring = self._free_rings.pop(0)
-        destinations = (
-            range(self._topology.num_ffn_ranks) if self._publish_to_all else plan.destinations
-        )
         pending = PendingDispatch(
             layer=layer_idx,
             stage=stage,
@@ -160,7 +179,15 @@ class AttentionEndpoint(EndpointBase):
             issued_at=time.monotonic(),
         )
         try:
-            self._write(pending, hidden_states, destinations)
+            if isinstance(plan, DevicePlan):
+                self._write_packed(pending, plan, hidden_states)
+            else:
+                destinations = (
+                    range(self._topology.num_ffn_ranks)
+                    if self._publish_to_all
+                    else plan.destinations
+                )
+                self._write(pending, plan, hidden_states, destinations)
         except BaseException:
             if pending.expected_ffn:
                 # Some FFN ranks already have this layer: the endpoint cannot be trusted any
@@ -169,43 +196,111 @@ class AttentionEndpoint(EndpointBase):
             else:
                 self._free_rings.insert(0, ring)
             raise
-        if self._fused is not None and self.fused_combine:
-            # Ready before the replies are: computed while the FFN ranks work.
+        if isinstance(plan, DevicePlan):
+            pending.device_segment_offsets = plan.segment_offsets
+        elif self._fused is not None and self.fused_combine:
             segments = self._segment_offsets[ring]
-            self._segments.copy(segments, plan.segment_offsets, ring)
+            self._small_copies.copy(segments, plan.segment_offsets, ring)
             pending.device_segment_offsets = segments
+        if pending.device_segment_offsets is not None:
+            # Ready before the replies are: computed while the FFN ranks work.
             plan.wire_position  # noqa: B018 - computes and caches it now
         self._in_flight[ring] = pending
         return pending
 
-    def _write(
-        self, pending: PendingDispatch, hidden_states: torch.Tensor, destinations: Iterable[int]
+    def _packs_on_device(self, topk_ids: torch.Tensor) -> bool:
+        """Whether this dispatch can skip the host read of the counts: no destination can
+        overflow even if every row goes to it (and there is something to send)."""
+        num_tokens, topk = topk_ids.shape
+        slot = self._slot
+        return (
+            self._pack is not None
+            and self.device_pack
+            and self.fused_combine
+            and topk == slot.topk
+            and 0 < num_tokens <= slot.token_cap
+            and num_tokens * topk <= slot.routed_cap
+            and not topk_ids.dtype.is_floating_point
+            and topk_ids.dtype != torch.bool
+        )
+
+    def _write_packed(
+        self, pending: PendingDispatch, plan: DevicePlan, hidden_states: torch.Tensor
     ) -> None:
-        plan, ring = pending.plan, pending.ring
+        """Every FFN rank gets this layer: rows and headers written by the device pack."""
+        assert self._pack is not None
+        ring = pending.ring
+        ffn_ranks = range(self._topology.num_ffn_ranks)
+        fixed: list[int] = []
+        seqs = []
+        for dest in ffn_ranks:
+            # ROUTED_ROWS, the counts and the checksum are left for the pack to write.
+            counts = (0,) * self._slot.num_local_experts(dest)
+            header = self._send_shared(pending, plan, hidden_states, dest, 0, counts)
+            fixed += encode_words(header)[:HEADER_FIXED_WORDS]
+            seqs.append(header.seq)
+        self._small_copies.copy(self._fixed_words[ring].view(-1), fixed, ("fixed", ring))
+        self._pack(
+            PackInputs(
+                hidden=hidden_states,
+                plan=plan,
+                rank_wire_offsets=self._topology.expert_placement.rank_wire_offsets,
+                fixed_words=self._fixed_words[ring],
+                routed_rows=tuple(self._send[d][ring].routed_rows for d in ffn_ranks),
+                route_index=tuple(self._send[d][ring].route_index for d in ffn_ranks),
+                headers=tuple(self._send[d][ring].header for d in ffn_ranks),
+            )
+        )
+        self._readback.start(plan.expert_bounds, ring)
+        for dest, seq in zip(ffn_ranks, seqs, strict=True):
+            self._transport.publish(dest, self._window.flag_index(self._rank, ring), seq)
+            pending.expected_ffn[dest] = seq
+
+    def _write(
+        self,
+        pending: PendingDispatch,
+        plan: DispatchPlan,
+        hidden_states: torch.Tensor,
+        destinations: Iterable[int],
+    ) -> None:
+        ring = pending.ring
         for dest in destinations:
             view = self._send[dest][ring]
-            rows, shared = plan.routed_rows(dest), plan.shared_rows(dest)
+            rows = plan.routed_rows(dest)
             if rows:
                 tokens = plan.tokens_for(dest)
                 torch.index_select(hidden_states, 0, tokens, out=view.routed_rows[:rows])
                 view.route_index[:rows].copy_(tokens)
-            if shared:
-                torch.index_select(
-                    hidden_states, 0, plan.shared_tokens[dest], out=view.shared_rows[:shared]
-                )
-            header = Header(
-                MessageKind.DISPATCH,
-                src_rank=self._rank,
-                layer=pending.layer,
-                stage=pending.stage,
-                num_tokens=plan.num_tokens,
-                routed_rows=rows,
-                shared_rows=shared,
-                seq=self._next_seq(),
-                expert_counts=plan.host_group_list(dest),
-            )
+            counts = plan.host_group_list(dest)
+            header = self._send_shared(pending, plan, hidden_states, dest, rows, counts)
             self._write_and_publish(view, header, dest, ring)
             pending.expected_ffn[dest] = header.seq
+
+    def _send_shared(
+        self,
+        pending: PendingDispatch,
+        plan: WireOrder,
+        hidden_states: torch.Tensor,
+        dest: int,
+        routed_rows: int,
+        counts: tuple[int, ...],
+    ) -> Header:
+        """Write ``dest``'s shared-expert rows; return the header that announces the part."""
+        shared = plan.shared_rows(dest)
+        if shared:
+            out = self._send[dest][pending.ring].shared_rows[:shared]
+            torch.index_select(hidden_states, 0, plan.shared_tokens[dest], out=out)
+        return Header(
+            MessageKind.DISPATCH,
+            src_rank=self._rank,
+            layer=pending.layer,
+            stage=pending.stage,
+            num_tokens=plan.num_tokens,
+            routed_rows=routed_rows,
+            shared_rows=shared,
+            seq=self._next_seq(),
+            expert_counts=counts,
+        )
 
     def combine(self, pending: PendingDispatch, timeout: float | None = None) -> torch.Tensor:
         """Wait for the replies of ``pending`` and return the weighted sum ``[T, H]``.
@@ -242,10 +337,18 @@ class AttentionEndpoint(EndpointBase):
                 self._reply_seen[(dest, ring)] = value
                 arrived[dest] = self._check_reply(dest, ring, value, waiting[dest], pending)
                 del waiting[dest]
+        plan = pending.plan
+        if isinstance(plan, DevicePlan):
+            # The range check the portable plan makes before writing: the bounds were read
+            # back behind the pack, and the replies arriving means the stream got past it.
+            low, high = self._readback.read(ring)
+            if low < 0 or high >= self._topology.num_experts:
+                self._release(ring)
+                check_expert_bounds(low, high, self._topology.num_experts)
         if (
             self._fused is not None
-            and self.fused_combine
             and pending.device_segment_offsets is not None
+            and (self.fused_combine or isinstance(plan, DevicePlan))
         ):
             output = self._fused(
                 CombineInputs(
@@ -255,7 +358,7 @@ class AttentionEndpoint(EndpointBase):
                     if self._shared_starts is None
                     else self._shared_starts[ring],
                     segment_offsets=pending.device_segment_offsets,
-                    wire_position=pending.plan.wire_position,
+                    wire_position=plan.wire_position,
                     topk_weights=pending.topk_weights,
                     hidden_size=pending.hidden_size,
                     out_dtype=pending.dtype,
@@ -263,16 +366,15 @@ class AttentionEndpoint(EndpointBase):
             )
             self._release(ring)
             return output
-        accumulator = new_accumulator(
-            pending.plan.num_tokens, pending.hidden_size, self._transport.device
-        )
+        assert isinstance(plan, DispatchPlan)
+        accumulator = new_accumulator(plan.num_tokens, pending.hidden_size, self._transport.device)
         for dest in sorted(arrived):
             header = arrived[dest]
             view = self._replies[dest][ring]
             shared = view.shared_rows[: header.shared_rows] if header.shared_rows else None
             combine_scatter(
                 accumulator,
-                pending.plan,
+                plan,
                 dest,
                 view.routed_rows[: header.routed_rows],
                 pending.topk_weights,
@@ -312,9 +414,12 @@ class AttentionEndpoint(EndpointBase):
             problems.append(f"SEQ={header.seq} but the flag says {flag}")
         if header.answer_seq != answers:
             problems.append(f"ANSWER_SEQ={header.answer_seq} but this dispatch was seq {answers}")
-        if header.expert_counts != pending.plan.host_group_list(dest):
+        plan = pending.plan
+        # A device-packed plan's counts never came to the host; SEQ and ANSWER_SEQ still
+        # tie the reply to this dispatch.
+        if isinstance(plan, DispatchPlan) and header.expert_counts != plan.host_group_list(dest):
             problems.append("EXPERT_COUNTS differ from what was sent")
-        if header.shared_rows != pending.plan.shared_rows(dest):
+        if header.shared_rows != plan.shared_rows(dest):
             problems.append(f"SHARED_ROWS={header.shared_rows}")
         if problems:
             raise ProtocolError(

@@ -29,13 +29,8 @@ from afd_protocol.topology import ExpertPlacement, Topology
 
 
 @dataclass(frozen=True)
-class DispatchPlan:
-    """Where each routed partial goes, and how to put the replies back together.
-
-    Tensors live on the device of ``topk_ids``; the segment bounds and counts are also
-    kept on the host (one device-to-host copy per plan) because the sender slices with
-    them.
-    """
+class WireOrder:
+    """What every dispatch plan holds on the device: the wire order and the counts."""
 
     num_tokens: int
     topk: int
@@ -46,24 +41,36 @@ class DispatchPlan:
     """int64 ``[T * k]``: token of each row in wire order (``order // k``)."""
     expert_counts: torch.Tensor
     """int64 ``[E]``: rows per expert, indexed by wire position (rank-major)."""
+    shared_tokens: tuple[torch.Tensor, ...]
+    """Per FFN rank, the tokens whose shared-expert branch it computes (``ffn`` placement)."""
+
+    @functools.cached_property
+    def wire_position(self) -> torch.Tensor:
+        """int64 ``[T * k]``: wire position of each partial ``t * k + j`` (inverse of ``order``)."""
+        return inverse_order(self.order)
+
+    def shared_rows(self, dest: int) -> int:
+        return int(self.shared_tokens[dest].numel())
+
+
+@dataclass(frozen=True)
+class DispatchPlan(WireOrder):
+    """Where each routed partial goes, and how to put the replies back together.
+
+    Tensors live on the device of ``topk_ids``; the segment bounds and counts are also
+    kept on the host (one device-to-host copy per plan) because the sender slices with
+    them.
+    """
+
     host_expert_counts: tuple[int, ...]
     rank_wire_offsets: tuple[int, ...]
     """Rank ``d`` owns wire positions ``[rank_wire_offsets[d], rank_wire_offsets[d + 1])``."""
     segment_offsets: tuple[int, ...]
     """Rows for FFN rank ``d`` are ``[segment_offsets[d], segment_offsets[d + 1])``."""
-    shared_tokens: tuple[torch.Tensor, ...]
-    """Per FFN rank, the tokens whose shared-expert branch it computes (``ffn`` placement)."""
 
     @property
     def num_ffn_ranks(self) -> int:
         return len(self.segment_offsets) - 1
-
-    @functools.cached_property
-    def wire_position(self) -> torch.Tensor:
-        """int64 ``[T * k]``: wire position of each partial ``t * k + j`` (inverse of ``order``)."""
-        positions = torch.empty_like(self.order)
-        every = torch.arange(self.order.numel(), device=self.order.device)
-        return positions.scatter_(0, self.order, every)
 
     @property
     def row_k(self) -> torch.Tensor:
@@ -75,9 +82,6 @@ class DispatchPlan:
 
     def routed_rows(self, dest: int) -> int:
         return self.segment_offsets[dest + 1] - self.segment_offsets[dest]
-
-    def shared_rows(self, dest: int) -> int:
-        return int(self.shared_tokens[dest].numel())
 
     def group_list(self, dest: int) -> torch.Tensor:
         """Rows per local expert of FFN rank ``dest`` (device tensor, ascending local id)."""
@@ -118,6 +122,37 @@ class DispatchPlan:
 def _wire_table(placement: ExpertPlacement, device: torch.device) -> torch.Tensor:
     """Expert id -> wire position, built once per placement and device (not per layer)."""
     return torch.tensor(placement.wire_position, dtype=torch.long, device=device)
+
+
+def check_expert_bounds(low: int, high: int, num_experts: int) -> None:
+    """Raise if the router chose an expert id outside ``[0, num_experts)``."""
+    if low < 0 or high >= num_experts:
+        bad = low if low < 0 else high
+        raise TopologyError(
+            f"topk_ids holds expert id {bad}, outside [0, {num_experts}): the router and the "
+            f"topology disagree on the number of routed experts"
+        )
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``order`` (``result[order[i]] = i``), on its device."""
+    every = torch.arange(order.numel(), device=order.device)
+    return torch.empty_like(order).scatter_(0, order, every)
+
+
+def shared_token_split(
+    num_tokens: int, topology: Topology, placement: SharedPlacement, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Per FFN rank, the tokens whose shared experts it computes: round robin with ``ffn``
+    placement (token ``t`` goes to rank ``t % F``), none with ``attention`` placement."""
+    f = topology.num_ffn_ranks
+    if placement is SharedPlacement.FFN:
+        return tuple(
+            torch.arange(d, max(d, num_tokens), f, dtype=torch.long, device=device)
+            for d in range(f)
+        )
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    return tuple(empty for _ in range(f))
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,27 +199,14 @@ def plan_dispatch(
     else:
         host = [0, 0, *counts.tolist()]
     low, high, host_counts = host[0], host[1], tuple(host[2:])
-    if low < 0 or high >= num_experts:
-        bad = low if low < 0 else high
-        raise TopologyError(
-            f"topk_ids holds expert id {bad}, outside [0, {num_experts}): the router and the "
-            f"topology disagree on the number of routed experts"
-        )
+    check_expert_bounds(low, high, num_experts)
 
     rank_offsets = placement.rank_wire_offsets
     segments = [0]
     for d in range(placement.num_ffn_ranks):
         segments.append(segments[-1] + sum(host_counts[rank_offsets[d] : rank_offsets[d + 1]]))
 
-    f = topology.num_ffn_ranks
-    if placement_kind is SharedPlacement.FFN:
-        shared = tuple(
-            torch.arange(d, max(d, num_tokens), f, dtype=torch.long, device=device)
-            for d in range(f)
-        )
-    else:
-        empty = torch.empty(0, dtype=torch.long, device=device)
-        shared = tuple(empty for _ in range(f))
+    shared = shared_token_split(num_tokens, topology, placement_kind, device)
 
     plan = DispatchPlan(
         num_tokens=num_tokens,

@@ -81,3 +81,37 @@ class HeaderStaging:
     def write(self, destination: torch.Tensor, header: Header, key: tuple[int, int]) -> None:
         """Copy ``header`` into ``destination`` (a slot's int32 header field) for slot ``key``."""
         self._staging.copy(destination, encode_words(header), key)
+
+
+class HostReadback:
+    """Small device tensors copied to page-locked host memory without blocking, read later.
+
+    :meth:`start` enqueues the copy on the current stream; :meth:`read` returns the values
+    once the copy has run (it waits only if the stream has not reached it yet). One buffer
+    per key; a key is started again only after it was read.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._async = device.type != "cpu"
+        self._pending: dict[object, tuple[torch.Tensor, torch.Event | None]] = {}
+        self._buffers: dict[object, torch.Tensor] = {}
+
+    def start(self, source: torch.Tensor, key: object) -> None:
+        if not self._async:
+            self._pending[key] = (source.clone(), None)
+            return
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            self._buffers[key] = buffer
+        buffer.copy_(source, non_blocking=True)
+        done = torch.Event(device=self._device)
+        done.record(torch.accelerator.current_stream(self._device))
+        self._pending[key] = (buffer, done)
+
+    def read(self, key: object) -> list[int]:
+        buffer, done = self._pending.pop(key)
+        if done is not None and not done.query():
+            done.synchronize()
+        return [int(v) for v in buffer.tolist()]

@@ -19,6 +19,8 @@ are written once against this interface; a backend only moves bytes and flags:
   costs no device-to-host copy.
 * :meth:`Transport.fused_combine` -- optionally, a device kernel that combines a layer's
   replies in one pass (:mod:`afd_protocol.fused`).
+* :meth:`Transport.device_pack` -- optionally, a device kernel that writes a whole dispatch
+  without the host reading the counts (:mod:`afd_protocol.device_pack`).
 * :meth:`Transport.abort` -- set this rank's abort word in every peer window.
 * :meth:`Transport.close` -- release everything; idempotent.
 
@@ -34,6 +36,7 @@ from types import TracebackType
 
 import torch
 
+from afd_protocol.device_pack import DevicePack
 from afd_protocol.fused import FusedCombine
 from afd_protocol.layout import WindowLayout
 from afd_protocol.topology import Role, Topology
@@ -104,6 +107,14 @@ class Transport(abc.ABC):
 
         None (the default) makes the attention endpoint use the portable per-FFN-rank
         :func:`~afd_protocol.plan.combine_scatter`.
+        """
+        return None
+
+    def device_pack(self) -> DevicePack | None:
+        """A kernel that writes a whole dispatch, rows and headers, from a device-side plan.
+
+        None (the default) makes the attention endpoint read the counts to the host and
+        write each FFN rank's rows itself. Used only together with :meth:`fused_combine`.
         """
         return None
 

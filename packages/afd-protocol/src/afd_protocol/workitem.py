@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd_protocol.device_pack import DevicePlan
 from afd_protocol.header import Header
 from afd_protocol.plan import DispatchPlan
 
@@ -80,7 +81,7 @@ class PendingDispatch:
     layer: int
     stage: int
     ring: int
-    plan: DispatchPlan
+    plan: DispatchPlan | DevicePlan
     topk_weights: torch.Tensor
     dtype: torch.dtype
     hidden_size: int

@@ -54,6 +54,7 @@ from afd_protocol import (
     Transport,
     WindowLayout,
 )
+from afd_protocol.device_pack import DevicePack
 from afd_protocol.fused import FusedCombine
 from afd_protocol.host.rendezvous import (
     check_peers_alive,
@@ -296,6 +297,12 @@ class NvshmemTransport(Transport):
         if self._wait_mode == "device":
             return self._wait_device(indices, last, watched, deadline, timeout)
         return self._wait_host(indices, last, watched, deadline, timeout)
+
+    def device_pack(self) -> DevicePack | None:
+        """The Triton device pack (:mod:`afd_transport_nvshmem.device_pack`)."""
+        from afd_transport_nvshmem.device_pack import triton_device_pack
+
+        return triton_device_pack
 
     def fused_combine(self) -> FusedCombine | None:
         """The Triton fused combine (:mod:`afd_transport_nvshmem.fused_combine`)."""

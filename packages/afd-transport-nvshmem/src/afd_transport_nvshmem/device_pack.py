@@ -1,0 +1,146 @@
+# Triton kernels take untyped compile-time arguments:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""The device pack (:mod:`afd_protocol.device_pack`) as two Triton launches.
+
+``_pack_rows_kernel``: one program per tile of wire positions and columns finds each row's
+FFN rank from the segment bounds (on the device), and copies the source token's hidden
+state straight into that rank's window -- a gather-and-write over NVLink for every
+destination in one launch -- plus the row's source token (first column tile only).
+
+``_pack_headers_kernel``: one program per FFN rank completes its header: ROUTED_ROWS from
+the segment bounds, the rank's expert counts, and the checksum over all words, in int64
+and reduced modulo ``2**32`` exactly as :func:`afd_protocol.header.checksum` does.
+
+Destinations are passed as tables of raw addresses (peer windows are separate mappings
+with no common base), built once per set of views and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from afd_protocol import HEADER_FIXED_WORDS, PackInputs, Word
+from afd_protocol.header import CHECKSUM_SALT
+
+ROWS = 4
+BLOCK_H = 1024
+COUNT_BLOCK = 128
+
+
+@triton.jit
+def _pack_rows_kernel(
+    hidden,
+    row_token,
+    segment_offsets,
+    rows_at,
+    index_at,
+    total,
+    hidden_size,
+    num_ffn,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FFN_BLOCK: tl.constexpr,
+):
+    wire = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = wire < total
+    ranks = tl.arange(0, FFN_BLOCK)
+    bounds = tl.load(segment_offsets + 1 + ranks, mask=ranks < num_ffn - 1, other=1 << 62)
+    dest = tl.sum((bounds[None, :] <= wire[:, None]).to(tl.int32), axis=1)
+    row = wire - tl.load(segment_offsets + dest, mask=live, other=0)
+    token = tl.load(row_token + wire, mask=live, other=0)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    take = live[:, None] & (columns < hidden_size)[None, :]
+    values = tl.load(hidden + token[:, None] * hidden_size + columns[None, :], mask=take)
+    base = tl.load(rows_at + dest, mask=live, other=0).to(tl.pointer_type(values.dtype))
+    tl.store(base[:, None] + (row * hidden_size)[:, None] + columns[None, :], values, mask=take)
+    if tl.program_id(1) == 0:
+        index_base = tl.load(index_at + dest, mask=live, other=0).to(tl.pointer_type(tl.int32))
+        tl.store(index_base + row, token.to(tl.int32), mask=live)
+
+
+@triton.jit
+def _pack_headers_kernel(
+    fixed_words,
+    expert_counts,
+    segment_offsets,
+    rank_offsets,
+    headers_at,
+    FIXED: tl.constexpr,
+    FIXED_BLOCK: tl.constexpr,
+    ROUTED_WORD: tl.constexpr,
+    CHECKSUM_WORD: tl.constexpr,
+    SALT: tl.constexpr,
+    COUNTS: tl.constexpr,
+):
+    dest = tl.program_id(0)
+    first = tl.load(rank_offsets + dest)
+    num_counts = tl.load(rank_offsets + dest + 1) - first
+    routed = tl.load(segment_offsets + dest + 1) - tl.load(segment_offsets + dest)
+    header = tl.load(headers_at + dest).to(tl.pointer_type(tl.int32))
+    slots = tl.arange(0, FIXED_BLOCK)
+    in_fixed = slots < FIXED
+    words = tl.load(fixed_words + dest * FIXED + slots, mask=in_fixed, other=0).to(tl.int64)
+    words = tl.where(slots == ROUTED_WORD, routed, words)
+    words = tl.where(slots == CHECKSUM_WORD, 0, words)
+    weights = tl.where(in_fixed & (slots != CHECKSUM_WORD), 2 * slots + 1, 0).to(tl.int64)
+    total = tl.sum(words * weights, axis=0) + SALT
+    for start in range(0, num_counts, COUNTS):
+        index = start + tl.arange(0, COUNTS)
+        present = index < num_counts
+        counts = tl.load(expert_counts + first + index, mask=present, other=0)
+        total += tl.sum(counts * (2 * (FIXED + index) + 1), axis=0)
+        tl.store(header + FIXED + index, counts.to(tl.int32), mask=present)
+    unsigned = total & 0xFFFFFFFF
+    signed = tl.where(unsigned >= (1 << 31), unsigned - (1 << 32), unsigned)
+    words = tl.where(slots == CHECKSUM_WORD, signed, words)
+    tl.store(header + slots, words.to(tl.int32), mask=in_fixed)
+
+
+@functools.lru_cache(maxsize=64)
+def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` (addresses, offsets), built once per tuple."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def triton_device_pack(inputs: PackInputs) -> None:
+    """:data:`afd_protocol.DevicePack` on a CUDA device, enqueued on the current stream."""
+    plan = inputs.plan
+    hidden = inputs.hidden.contiguous()
+    device = hidden.device
+    num_ffn = len(inputs.headers)
+    total = plan.row_token.numel()
+    hidden_size = hidden.shape[1]
+    if total:
+        rows_at = _on_device(tuple(t.data_ptr() for t in inputs.routed_rows), device)
+        index_at = _on_device(tuple(t.data_ptr() for t in inputs.route_index), device)
+        block = min(BLOCK_H, triton.next_power_of_2(hidden_size))
+        _pack_rows_kernel[(triton.cdiv(total, ROWS), triton.cdiv(hidden_size, block))](
+            hidden,
+            plan.row_token,
+            plan.segment_offsets,
+            rows_at,
+            index_at,
+            total,
+            hidden_size,
+            num_ffn,
+            ROWS=ROWS,
+            BLOCK=block,
+            FFN_BLOCK=triton.next_power_of_2(max(1, num_ffn)),
+        )
+    _pack_headers_kernel[(num_ffn,)](
+        inputs.fixed_words,
+        plan.expert_counts,
+        plan.segment_offsets,
+        _on_device(inputs.rank_wire_offsets, device),
+        _on_device(tuple(t.data_ptr() for t in inputs.headers), device),
+        FIXED=HEADER_FIXED_WORDS,
+        FIXED_BLOCK=triton.next_power_of_2(HEADER_FIXED_WORDS),
+        ROUTED_WORD=int(Word.ROUTED_ROWS),
+        CHECKSUM_WORD=int(Word.CHECKSUM),
+        SALT=CHECKSUM_SALT,
+        COUNTS=COUNT_BLOCK,
+    )
