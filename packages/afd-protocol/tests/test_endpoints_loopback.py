@@ -475,7 +475,9 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
     the portable path; expert ids out of range fail the combine, naming the id."""
     world = make_world(a=1, f=3, experts=7, shared=shared, ring_depth=2, tokens=32)
     experts = linear_experts(world)
-    attention = AttentionEndpoint(PackingLoopbackTransport(world, Role.ATTENTION, 0), timeout=0.05)
+    attention = AttentionEndpoint(
+        PackingLoopbackTransport(world, Role.ATTENTION, 0), timeout=0.05, device_pack=True
+    )
     ffns = [FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(3)]
     topo = world.window.slot.topology
     ffn0_and_1 = [e for r in (0, 1) for e in topo.local_experts(r)]
@@ -508,3 +510,12 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
     with pytest.raises(TopologyError, match="expert id 9, outside \\[0, 7\\)"):
         attention.combine(handle)
     assert attention.in_flight == 0  # the ring came back
+
+
+def test_device_pack_is_opt_in() -> None:
+    world = make_world(a=1, f=3, experts=7)
+    transport = PackingLoopbackTransport(world, Role.ATTENTION, 0)
+    assert not AttentionEndpoint(transport, timeout=0.05).device_pack
+    assert AttentionEndpoint(transport, timeout=0.05, device_pack=True).device_pack
+    plain = world.transport(Role.ATTENTION, 0)  # no device pack to offer
+    assert not AttentionEndpoint(plain, timeout=0.05, device_pack=True).device_pack

@@ -68,7 +68,9 @@ def test_packed_dispatch_and_fused_combine_on_one_gpu(shared: str) -> None:
     topo = Topology(1, 3, 12)
     layout = SlotLayout(topo, hidden, 64, 4, dtype="bfloat16", shared_placement=shared)
     world = CudaWorld(layout.window(ring_depth=2))
-    attention = AttentionEndpoint(CudaTransport(world, Role.ATTENTION, 0), timeout=0.5)
+    attention = AttentionEndpoint(
+        CudaTransport(world, Role.ATTENTION, 0), timeout=0.5, device_pack=True
+    )
     ffns = [FFNEndpoint(CudaTransport(world, Role.FFN, r), timeout=0.5) for r in range(3)]
     experts = LinearExperts(layers, 12, hidden, seed=3)
     serving = LinearExperts(layers, 12, hidden, seed=3).to("cuda")

@@ -229,17 +229,17 @@ def _gather_into_peer(
 
 
 LAYER_MODES = {
-    "device": ("device", True, True, True),
-    "host-plan": ("device", True, True, False),
+    "device": ("device", True, True, False),
+    "device-pack": ("device", True, True, True),
     "torch-combine": ("device", True, False, False),
-    "copied-header": ("device", False, True, True),
+    "copied-header": ("device", False, True, False),
     "host": ("host", False, False, False),
 }
 """Per-layer variants as (wait, header capture, fused combine, device pack): the defaults;
-the counts read to the host and each FFN rank's rows written by the host (no device pack);
-that and the portable per-FFN-rank combine; the defaults with each header copied out of the
-window instead of captured by the wait; host-polled waits with none of these (what a
-straightforward implementation does)."""
+the defaults plus the dispatch packed on the device (opt-in); the portable per-FFN-rank
+combine instead of the fused kernel; each header copied out of the window instead of
+captured by the wait; host-polled waits with none of these (what a straightforward
+implementation does)."""
 
 
 def _layer_attention(
@@ -432,16 +432,16 @@ def run(args: Any) -> dict[str, Any]:
     report["layer_floor_gbs"] = floor_gbs
     print(
         f"\ndispatch + combine per layer, 1A1F, hidden {HIDDEN} bf16, {EXPERTS} experts "
-        f"top-{TOPK}, identity FFN (median ms). 'device' = dispatch packed on the device, "
-        f"device wait with the header captured with the flag, fused combine kernel; 'host plan' "
-        f"= the same with the counts read to the host and rows written per FFN rank; 'torch "
-        f"comb' = that with the portable combine; 'copied hdr' = 'device' with each header "
-        f"copied out of the window; 'host' = host polls, host plan, copied headers, portable "
-        f"combine. 'floor' = the rows there and back at the same-run peer copy_ bandwidth "
+        f"top-{TOPK}, identity FFN (median ms). 'device' = the defaults: device wait with the "
+        f"header captured with the flag, fused combine kernel, counts read to the host once; "
+        f"'dev pack' = the same with the dispatch packed on the device (no host read); 'torch "
+        f"comb' = 'device' with the portable combine; 'copied hdr' = 'device' with each header "
+        f"copied out of the window; 'host' = host polls, copied headers, portable combine. "
+        f"'floor' = the rows there and back at the same-run peer copy_ bandwidth "
         f"({floor_gbs:.0f} GB/s)."
     )
     print(
-        f"  {'tokens':>6} {'device':>8} {'host plan':>9} {'torch comb':>10} {'copied hdr':>10} "
+        f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
         f"{'host':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11}"
     )
     for n in tokens:
@@ -449,7 +449,7 @@ def run(args: Any) -> dict[str, Any]:
         report["layer"][f"floor/{n}"] = floor
         ms = {m: times[f"{m}/{n}"] * 1e3 for m in LAYER_MODES}
         print(
-            f"  {n:6d} {ms['device']:8.2f} {ms['host-plan']:9.2f} {ms['torch-combine']:10.2f} "
+            f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {floor * 1e3:7.2f} "
             f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f}"
         )
