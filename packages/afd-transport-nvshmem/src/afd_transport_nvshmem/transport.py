@@ -21,10 +21,19 @@ payload and flag, since these orderings do not extend over a network.
 Waits
 -----
 ``wait="device"`` (the default): a Triton program polls the flags on the GPU and reports
-to pinned host memory (see :mod:`afd_transport_nvshmem.device_wait`). ``wait="host"``:
-one device-to-host copy of the watched flags per check, the fallback and the baseline.
-Both check the watched peers' abort words and, between poll slices, that the peer
-processes are alive; both raise :class:`PeerTimeout` after the timeout.
+the flag values, and the header of every slot whose flag changed, to pinned host memory
+(see :mod:`afd_transport_nvshmem.device_wait`); :meth:`NvshmemTransport.read_header` hands
+those headers to the endpoints, so an arrival costs no device-to-host copy. The wait is a
+replay of a captured CUDA graph (``wait_graph=False``: a Triton launch per wait).
+``wait="host"``: one device-to-host copy of the watched flags per check, the fallback and
+the baseline. Both check the watched peers' abort words and, between poll slices, that the
+peer processes are alive; both raise :class:`PeerTimeout` after the timeout.
+
+Kernels the endpoints use
+-------------------------
+:meth:`NvshmemTransport.fused_combine` (one Triton pass per layer's combine) and
+:meth:`NvshmemTransport.device_pack` (the dispatch written from a device-side plan, used
+when the attention endpoint opts in).
 
 Teardown
 --------
