@@ -519,3 +519,48 @@ def test_device_pack_is_opt_in() -> None:
     assert AttentionEndpoint(transport, timeout=0.05, device_pack=True).device_pack
     plain = world.transport(Role.ATTENTION, 0)  # no device pack to offer
     assert not AttentionEndpoint(plain, timeout=0.05, device_pack=True).device_pack
+
+
+@pytest.mark.parametrize("shape", [(6,), (2, 3, 3)])
+def test_topk_ids_of_the_wrong_rank_are_a_topology_error_on_every_path(
+    shape: tuple[int, ...],
+) -> None:
+    world = make_world(a=1, f=3, experts=7)
+    transport = PackingLoopbackTransport(world, Role.ATTENTION, 0)
+    for device_pack in (False, True):
+        attention = AttentionEndpoint(transport, timeout=0.05, device_pack=device_pack)
+        ids = torch.zeros(shape, dtype=torch.long)
+        with pytest.raises(TopologyError, match="topk_ids"):
+            attention.dispatch(0, torch.zeros(shape[0], HIDDEN), ids, torch.zeros(shape))
+        assert attention.in_flight == 0
+
+
+def test_a_packed_dispatch_combine_can_be_retried_after_the_kernel_failed() -> None:
+    world = make_world(a=1, f=3, experts=7)
+    experts = linear_experts(world)
+    failures = [RuntimeError("out of memory (simulated)")]
+
+    class FlakyCombine(PackingLoopbackTransport):
+        def fused_combine(self):  # type: ignore[no-untyped-def]
+            def run(inputs):  # type: ignore[no-untyped-def]
+                if failures:
+                    raise failures.pop()
+                return reference_fused_combine(inputs)
+
+            return run
+
+    attention = AttentionEndpoint(
+        FlakyCombine(world, Role.ATTENTION, 0), timeout=0.05, device_pack=True
+    )
+    ffns = [FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(3)]
+    x, ids, w = route(5, 3, list(range(7)), 31)
+    handle = attention.dispatch(1, x, ids, w)
+    drain(ffns, experts)
+    with pytest.raises(RuntimeError, match="simulated"):
+        attention.combine(handle)
+    assert attention.in_flight == 1  # still ours to combine
+    out = attention.combine(handle)
+    torch.testing.assert_close(
+        out.double(), experts.reference(1, x, ids, w, False), rtol=1e-5, atol=1e-4
+    )
+    assert attention.in_flight == 0

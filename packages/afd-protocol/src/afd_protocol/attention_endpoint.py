@@ -4,7 +4,8 @@ Written once against :class:`~afd_protocol.transport.Transport`, so every backen
 it. ``dispatch`` returns as soon as the writes are issued; several layers or stages may
 be in flight, one per ring slot. ``combine`` waits only for the FFN ranks that received
 rows (with one attention rank per DP replica; with several, every participant publishes
-to every FFN rank so that readiness is decidable, and waits for all of them).
+to every FFN rank so that readiness is decidable, and waits for all of them; a dispatch
+packed on the device, whose counts the host never sees, is also sent to every FFN rank).
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ class AttentionEndpoint(EndpointBase):
         try:
             if isinstance(plan, DevicePlan):
                 self._write_packed(pending, plan, hidden_states)
+                pending.device_segment_offsets = plan.segment_offsets
             else:
                 destinations = (
                     range(self._topology.num_ffn_ranks)
@@ -195,6 +197,13 @@ class AttentionEndpoint(EndpointBase):
                     else plan.destinations
                 )
                 self._write(pending, plan, hidden_states, destinations)
+                if self._fused is not None and self.fused_combine:
+                    segments = self._segment_offsets[ring]
+                    self._small_copies.copy(segments, plan.segment_offsets, ring)
+                    pending.device_segment_offsets = segments
+            if pending.device_segment_offsets is not None:
+                # Ready before the replies are: computed while the FFN ranks work.
+                plan.wire_position  # noqa: B018 - computes and caches it now
         except BaseException:
             if pending.expected_ffn:
                 # Some FFN ranks already have this layer: the endpoint cannot be trusted any
@@ -203,21 +212,14 @@ class AttentionEndpoint(EndpointBase):
             else:
                 self._free_rings.insert(0, ring)
             raise
-        if isinstance(plan, DevicePlan):
-            pending.device_segment_offsets = plan.segment_offsets
-        elif self._fused is not None and self.fused_combine:
-            segments = self._segment_offsets[ring]
-            self._small_copies.copy(segments, plan.segment_offsets, ring)
-            pending.device_segment_offsets = segments
-        if pending.device_segment_offsets is not None:
-            # Ready before the replies are: computed while the FFN ranks work.
-            plan.wire_position  # noqa: B018 - computes and caches it now
         self._in_flight[ring] = pending
         return pending
 
     def _packs_on_device(self, topk_ids: torch.Tensor) -> bool:
         """Whether this dispatch can skip the host read of the counts: no destination can
         overflow even if every row goes to it (and there is something to send)."""
+        if topk_ids.dim() != 2:
+            return False  # the portable plan raises the TopologyError that says why
         num_tokens, topk = topk_ids.shape
         slot = self._slot
         return (
@@ -312,7 +314,10 @@ class AttentionEndpoint(EndpointBase):
     def combine(self, pending: PendingDispatch, timeout: float | None = None) -> torch.Tensor:
         """Wait for the replies of ``pending`` and return the weighted sum ``[T, H]``.
 
-        Accumulates in fp32 in FFN-rank order (deterministic) and returns the input dtype.
+        Accumulates in fp32 and returns the input dtype: in FFN-rank order on the portable
+        path, in top-k choice order with the transport's fused kernel (deterministic
+        either way). Safe to call again after a timeout: it then waits only for the FFN
+        ranks that have not answered.
         """
         if self._in_flight.get(pending.ring) is not pending:
             raise ProtocolError(

@@ -5,9 +5,10 @@ stable sort: each routed *partial* (token t, choice j) gets the wire position of
 expert (destination FFN rank first, local expert id second, see
 :class:`~afd_protocol.topology.ExpertPlacement`), and sorting by that key groups the
 partials by destination and, inside each destination's segment, by local expert in
-ascending order -- exactly the order the FFN side computes in. A ``bincount`` of the
-keys is the group list, its prefix sum the segment offsets. Stability keeps the
-partials of one expert in token order, which makes the plan deterministic.
+ascending order -- exactly the order the FFN side computes in. A count of the keys
+(``index_add_``; ``bincount`` would synchronise on CUDA) is the group list, its prefix sum
+the segment offsets. Stability keeps the partials of one expert in token order, which
+makes the plan deterministic.
 
 ``topk_weights`` never travel: the attention side keeps them, and
 :func:`combine_scatter` applies them while accumulating replies into an fp32

@@ -87,8 +87,9 @@ class HostReadback:
     """Small device tensors copied to page-locked host memory without blocking, read later.
 
     :meth:`start` enqueues the copy on the current stream; :meth:`read` returns the values
-    once the copy has run (it waits only if the stream has not reached it yet). One buffer
-    per key; a key is started again only after it was read.
+    once the copy has run (it waits only if the stream has not reached it yet) and may be
+    called again for the same start. One buffer per key: starting a key again reuses it,
+    which is safe when both copies are on one stream.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -111,7 +112,7 @@ class HostReadback:
         self._pending[key] = (buffer, done)
 
     def read(self, key: object) -> list[int]:
-        buffer, done = self._pending.pop(key)
+        buffer, done = self._pending[key]
         if done is not None and not done.query():
             done.synchronize()
         return [int(v) for v in buffer.tolist()]

@@ -12,9 +12,12 @@ wait cost a device-to-host round trip each time), and when it learns that a mess
 arrived it already holds the message's header: layer, stage, row counts and sequence
 numbers cost no further copy.
 
-The header words are read after the flag's acquire load, so they are the ones the sender
-wrote before publishing; the sender does not touch the slot again before it gets an
-answer, so they cannot be torn.
+The header words are read after the flag's acquire load (a CTA barrier orders every
+thread's flag load before any thread's header load), so they are the ones the sender wrote
+before publishing; a sender does not touch the slot again before it gets an answer, so
+they cannot be torn. (The one exception is a shutdown announcement, which an FFN rank may
+write into ring 0 while a reply there is unread; the attention rank then sees a shutdown
+or a checksum error, never a wrong answer.)
 
 ``pingpong`` is a persistent kernel for the latency benchmark: it bounces a flag between
 two GPUs N times without the host.
@@ -76,6 +79,9 @@ def _wait_any_kernel(
             1,
             tl.where(aborted > 0, 3, tl.where(polls >= max_polls, 2, 0)),
         )
+    # Every thread's acquire load is done before any thread reads a header (and the status
+    # is uniform: it comes from reductions), ...
+    tl.debug_barrier()
     tl.store(out + offs, current, mask=mask)
     if status == 1:
         arrived = mask & (current != seen)
@@ -85,6 +91,9 @@ def _wait_any_kernel(
             take = arrived[:, None] & (words < header_words)[None, :]
             tile = tl.load(window_words + base[:, None] + words[None, :], mask=take, volatile=True)
             tl.store(headers_out + offs[:, None] * header_words + words[None, :], tile, mask=take)
+    # ... and every thread's stores of values and headers are done before the one thread
+    # that publishes the status releases them to the host.
+    tl.debug_barrier()
     tl.atomic_xchg(out + BLOCK, status, sem="release", scope="sys")
 
 

@@ -89,6 +89,8 @@ if TYPE_CHECKING:
     from afd_transport_nvshmem.device_wait import DeviceWaiter
 
 WAIT_MODES = ("device", "host")
+_ABANDONED_WAITERS: list[DeviceWaiter] = []
+"""Device waiters whose kernel may still write their pinned buffers (see ``_abandon``)."""
 POLL_SLICE = 20000
 """Device polls per wait slice; between slices the host checks liveness and the deadline."""
 
@@ -341,18 +343,20 @@ class NvshmemTransport(Transport):
         next_liveness = time.monotonic() + self._liveness_interval
         while True:
             waiter.launch(indices, last, peers, POLL_SLICE)
-            status = waiter.status()
-            while status == 0:
-                now = time.monotonic()
-                if now >= next_liveness:
-                    self._check_alive(peers)
-                    next_liveness = now + self._liveness_interval
-                if now >= deadline + 1.0:
-                    # The poll kernel never reported (a stalled GPU?): it may still write its
-                    # pinned buffer later, so stop using device waits on this transport.
-                    self._waiter, self._wait_mode = None, "host"
-                    raise PeerTimeout(f"{self._name}: the device wait did not report in time")
+            try:
                 status = waiter.status()
+                while status == 0:
+                    now = time.monotonic()
+                    if now >= next_liveness:
+                        self._check_alive(peers)
+                        next_liveness = now + self._liveness_interval
+                    if now >= deadline + 1.0:
+                        raise PeerTimeout(f"{self._name}: the device wait did not report in time")
+                    status = waiter.status()
+            except BaseException:
+                if waiter.status() == 0:
+                    self._abandon(waiter)
+                raise
             if status == 1:
                 values = waiter.values(len(indices))
                 self._captured = {
@@ -367,6 +371,14 @@ class NvshmemTransport(Transport):
                 self._raise_aborted(peers)
             if time.monotonic() >= deadline:
                 raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
+
+    def _abandon(self, waiter: DeviceWaiter) -> None:
+        """Stop using ``waiter`` while its poll kernel may still run (a stalled GPU, or a wait
+        left by an exception): the kernel holds raw pointers to its pinned buffers, so they
+        are kept alive for the process's lifetime rather than handed back to the allocator
+        for reuse, and this transport falls back to host waits."""
+        _ABANDONED_WAITERS.append(waiter)
+        self._waiter, self._wait_mode = None, "host"
 
     def _wait_host(
         self,
