@@ -25,10 +25,11 @@ $(STAMP): pyproject.toml $(foreach d,$(PKG_DIRS),$(d)/pyproject.toml)
 	@touch $(STAMP)
 
 # The CPU tests also load the real NVSHMEM host library (unique-id creation needs no
-# GPU); it is large, so only `make test` installs it.
+# GPU) and compile the Triton kernels for sm_90 (ptxas ships in the triton wheel; the
+# version the GPU host runs); both are large, so only `make test` installs them.
 TEST_STAMP := $(VENV)/.afd-test-extras
-$(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet "nvidia-nvshmem-cu13>=3.4"
+$(TEST_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install --quiet "nvidia-nvshmem-cu13>=3.4" "triton==3.6.0"
 	@touch $(TEST_STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,115 @@
+"""Every Triton kernel of the transport compiles for Hopper (sm_90) on a machine without a GPU.
+
+CI never has a GPU, so this is where a kernel edit that does not compile is caught before
+the GPU suite runs; ``ptxas`` ships inside the triton wheel. It also pins properties of
+the generated code that the transport relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from afd_protocol import HEADER_FIXED_WORDS, Word  # noqa: E402
+from afd_protocol.header import CHECKSUM_SALT  # noqa: E402
+from afd_transport_nvshmem import device_pack, device_wait, fused_combine  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _compile(kernel: Any, signature: dict[str, str], constants: dict[str, Any]) -> Any:
+    for name in constants:
+        signature[name] = "constexpr"
+    return triton.compile(ASTSource(kernel, signature, constexprs=constants), target=HOPPER)
+
+
+def test_the_device_wait_compiles_with_barriers_around_the_capture() -> None:
+    compiled = _compile(
+        device_wait._wait_any_kernel,
+        {
+            "flags": "*i32",
+            "aborts": "*i32",
+            "request": "*i32",
+            "out": "*i32",
+            "window_words": "*i32",
+            "header_offsets": "*i64",
+            "headers_out": "*i32",
+            "header_words": "i32",
+        },
+        {"BLOCK": 8, "PEER_BLOCK": 2, "WORD_BLOCK": 128},
+    )
+    ptx = compiled.asm["ptx"]
+    assert "atom.global.sys.acquire" in ptx  # flag and abort-word polls
+    release = ptx.index("atom.global.sys.release.exch")  # the status word, to the host
+    before = ptx[:release]
+    # No thread's store (values, headers) may sit between the last barrier and the release.
+    assert before.rfind("bar.sync") > before.rfind("st.global")
+
+
+def test_the_pingpong_kernel_compiles() -> None:
+    _compile(
+        device_wait._pingpong_kernel,
+        {"local_flag": "*i32", "peer_flag": "*i32", "iterations": "i32"},
+        {"INITIATOR": True},
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_fused_combine_compiles(dtype: str, shared: bool) -> None:
+    _compile(
+        fused_combine._fused_combine_kernel,
+        {
+            "rows": f"*{dtype}",
+            "routed_starts": "*i64",
+            "shared_starts": "*i64",
+            "segment_offsets": "*i64",
+            "wire_position": "*i64",
+            "weights": "*fp32",
+            "out": f"*{dtype}",
+            "hidden": "i32",
+            "num_ffn": "i32",
+        },
+        {"TOPK": 8, "FFN_BLOCK": 4, "BLOCK": 1024, "HAS_SHARED": shared},
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_device_pack_compiles(dtype: str) -> None:
+    _compile(
+        device_pack._pack_rows_kernel,
+        {
+            "hidden": f"*{dtype}",
+            "row_token": "*i64",
+            "segment_offsets": "*i64",
+            "rows_at": "*i64",
+            "index_at": "*i64",
+            "total": "i64",
+            "hidden_size": "i32",
+            "num_ffn": "i32",
+        },
+        {"ROWS": device_pack.ROWS, "BLOCK": 1024, "FFN_BLOCK": 4},
+    )
+    _compile(
+        device_pack._pack_headers_kernel,
+        {
+            "fixed_words": "*i32",
+            "expert_counts": "*i64",
+            "segment_offsets": "*i64",
+            "rank_offsets": "*i64",
+            "headers_at": "*i64",
+        },
+        {
+            "FIXED": HEADER_FIXED_WORDS,
+            "FIXED_BLOCK": 16,
+            "ROUTED_WORD": int(Word.ROUTED_ROWS),
+            "CHECKSUM_WORD": int(Word.CHECKSUM),
+            "SALT": CHECKSUM_SALT,
+            "COUNTS": device_pack.COUNT_BLOCK,
+        },
+    )
