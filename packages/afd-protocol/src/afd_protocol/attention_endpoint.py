@@ -55,7 +55,10 @@ class AttentionEndpoint(EndpointBase):
         device_pack: bool = False,
     ) -> None:
         super().__init__(transport, timeout)
-        self._num_layers = num_layers
+        self._reply_limits = [
+            self._slot.header_limits(MessageKind.REPLY, d, num_layers=num_layers)
+            for d in range(self._topology.num_ffn_ranks)
+        ]
         ring_depth = self._window.ring_depth
         local = transport.local_window()
         ffn_ranks = range(self._topology.num_ffn_ranks)
@@ -404,12 +407,11 @@ class AttentionEndpoint(EndpointBase):
     def _check_reply(
         self, dest: int, ring: int, flag: int, answers: int, pending: PendingDispatch
     ) -> Header:
-        limits = self._slot.header_limits(MessageKind.REPLY, dest, num_layers=self._num_layers)
         words = self._transport.read_header(
             self._window.flag_index(dest, ring), flag, self._replies[dest][ring].header
         )
         try:
-            header = decode_header(words, limits)
+            header = decode_header(words, self._reply_limits[dest])
         except ProtocolError as exc:
             raise ProtocolError(f"reply from FFN rank {dest} (ring {ring}): {exc}") from None
         if header.shutdown:

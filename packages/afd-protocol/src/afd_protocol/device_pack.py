@@ -21,7 +21,6 @@ tested against.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import torch
 from afd_protocol.header import CHECKSUM_SALT, Word
 from afd_protocol.layout import SharedPlacement
 from afd_protocol.plan import WireOrder, _one, _wire_table, shared_token_split
+from afd_protocol.staging import constant_index
 from afd_protocol.topology import Topology
 
 
@@ -62,7 +62,7 @@ def plan_on_device(
     counts.index_add_(0, keys, _one(device).expand(keys.numel()))
     order = torch.sort(keys, stable=True).indices
     totals = torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts.cumsum(0)])
-    segments = totals.index_select(0, _rank_offsets(placement.rank_wire_offsets, device))
+    segments = totals.index_select(0, constant_index(placement.rank_wire_offsets, device))
     if flat.numel():
         bounds = torch.stack(torch.aminmax(flat))
     else:
@@ -78,11 +78,6 @@ def plan_on_device(
         expert_bounds=bounds,
         shared_tokens=shared_token_split(num_tokens, topology, shared_placement, device),
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _rank_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(offsets, dtype=torch.long, device=device)
 
 
 @dataclass(frozen=True)

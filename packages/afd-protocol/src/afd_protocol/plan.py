@@ -26,6 +26,7 @@ import torch
 
 from afd_protocol.errors import ProtocolError, TopologyError
 from afd_protocol.layout import SharedPlacement, SlotLayout
+from afd_protocol.staging import constant_index
 from afd_protocol.topology import ExpertPlacement, Topology
 
 
@@ -119,10 +120,9 @@ class DispatchPlan(WireOrder):
             layout.check_capacity(self.num_tokens, self.routed_rows(d), self.shared_rows(d), dest=d)
 
 
-@functools.lru_cache(maxsize=64)
 def _wire_table(placement: ExpertPlacement, device: torch.device) -> torch.Tensor:
     """Expert id -> wire position, built once per placement and device (not per layer)."""
-    return torch.tensor(placement.wire_position, dtype=torch.long, device=device)
+    return constant_index(tuple(placement.wire_position), device)
 
 
 def check_expert_bounds(low: int, high: int, num_experts: int) -> None:

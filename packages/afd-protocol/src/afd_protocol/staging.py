@@ -18,6 +18,7 @@ message follows a reply in the same slot). On the host transport the copy is a p
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,3 +117,14 @@ class HostReadback:
         if done is not None and not done.query():
             done.synchronize()
         return [int(v) for v in buffer.tolist()]
+
+
+@functools.lru_cache(maxsize=256)
+def constant_index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as a read-only int64 tensor on ``device``, built once per distinct tuple.
+
+    For small tables that stay fixed while a transport runs (watched flag indices, expert
+    wire positions, rank offsets, window addresses): on an accelerator, building them per
+    call would be a synchronising host-to-device copy each time. Do not write into it.
+    """
+    return torch.tensor(values, dtype=torch.int64, device=device)

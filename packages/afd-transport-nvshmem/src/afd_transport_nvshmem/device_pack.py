@@ -17,14 +17,12 @@ with no common base), built once per set of views and cached.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
 from afd_protocol import HEADER_FIXED_WORDS, PackInputs, Word
 from afd_protocol.header import CHECKSUM_SALT
+from afd_protocol.staging import constant_index
 
 ROWS = 4
 BLOCK_H = 1024
@@ -100,12 +98,6 @@ def _pack_headers_kernel(
     tl.store(header + slots, words.to(tl.int32), mask=in_fixed)
 
 
-@functools.lru_cache(maxsize=64)
-def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of ``values`` (addresses, offsets), built once per tuple."""
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
 def triton_device_pack(inputs: PackInputs) -> None:
     """:data:`afd_protocol.DevicePack` on a CUDA device, enqueued on the current stream."""
     plan = inputs.plan
@@ -115,8 +107,8 @@ def triton_device_pack(inputs: PackInputs) -> None:
     total = plan.row_token.numel()
     hidden_size = hidden.shape[1]
     if total:
-        rows_at = _on_device(tuple(t.data_ptr() for t in inputs.routed_rows), device)
-        index_at = _on_device(tuple(t.data_ptr() for t in inputs.route_index), device)
+        rows_at = constant_index(tuple(t.data_ptr() for t in inputs.routed_rows), device)
+        index_at = constant_index(tuple(t.data_ptr() for t in inputs.route_index), device)
         block = min(BLOCK_H, triton.next_power_of_2(hidden_size))
         _pack_rows_kernel[(triton.cdiv(total, ROWS), triton.cdiv(hidden_size, block))](
             hidden,
@@ -135,8 +127,8 @@ def triton_device_pack(inputs: PackInputs) -> None:
         inputs.fixed_words,
         plan.expert_counts,
         plan.segment_offsets,
-        _on_device(inputs.rank_wire_offsets, device),
-        _on_device(tuple(t.data_ptr() for t in inputs.headers), device),
+        constant_index(inputs.rank_wire_offsets, device),
+        constant_index(tuple(t.data_ptr() for t in inputs.headers), device),
         FIXED=HEADER_FIXED_WORDS,
         FIXED_BLOCK=triton.next_power_of_2(HEADER_FIXED_WORDS),
         ROUTED_WORD=int(Word.ROUTED_ROWS),

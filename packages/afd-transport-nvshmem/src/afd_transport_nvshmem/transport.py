@@ -71,6 +71,7 @@ from afd_protocol.host.rendezvous import (
     process_start_time,
 )
 from afd_protocol.layout import check_same_geometry
+from afd_protocol.staging import constant_index
 from afd_protocol.views import abort_words, flag_words
 from afd_transport_nvshmem.binding import NvshmemLibrary
 from afd_transport_nvshmem.bootstrap import (
@@ -217,7 +218,6 @@ class NvshmemTransport(Transport):
         self._peer_flags = [flag_words(t, window) for t in self._peer_windows]
         self._peer_aborts = [abort_words(t, window) for t in self._peer_windows]
         self._memops = stream_memops_available()
-        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._waiter: DeviceWaiter | None = None
         self._wait_graph = wait_graph
         self._captured: dict[int, tuple[int, int]] = {}
@@ -388,8 +388,8 @@ class NvshmemTransport(Transport):
         deadline: float,
         timeout: float,
     ) -> list[int]:
-        index = self._device_index(indices)
-        peer_index = self._device_index(peers or (0,))
+        index = constant_index(indices, self._device)
+        peer_index = constant_index(peers or (0,), self._device)
         expected = list(last)
         next_liveness = time.monotonic() + self._liveness_interval
         with torch.cuda.stream(self._poll_stream):
@@ -405,15 +405,6 @@ class NvshmemTransport(Transport):
                     next_liveness = now + self._liveness_interval
                 if now >= deadline:
                     raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
-
-    def _device_index(self, values: tuple[int, ...]) -> torch.Tensor:
-        """An index tensor on the device, built once per distinct tuple (not per wait)."""
-        tensor = self._index_cache.get(values)
-        if tensor is None:
-            tensor = torch.tensor(values, dtype=torch.long, device=self._device)
-            if len(self._index_cache) < 256:
-                self._index_cache[values] = tensor
-        return tensor
 
     def _raise_aborted(self, peers: Sequence[int]) -> None:
         words = self._aborts.tolist()

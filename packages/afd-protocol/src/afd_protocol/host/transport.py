@@ -42,6 +42,7 @@ from afd_protocol.host.rendezvous import (
 )
 from afd_protocol.host.segments import SharedSegment, check_platform
 from afd_protocol.layout import WindowLayout, check_same_geometry
+from afd_protocol.staging import constant_index
 from afd_protocol.topology import Role
 from afd_protocol.transport import Transport
 from afd_protocol.views import abort_words, flag_words
@@ -135,7 +136,6 @@ class HostTransport(Transport):
         self._peer_windows = [s.tensor for s in self._peer_segments]
         self._peer_flags = [flag_words(t, window) for t in self._peer_windows if t is not None]
         self._peer_aborts = [abort_words(t, window) for t in self._peer_windows if t is not None]
-        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -164,13 +164,10 @@ class HostTransport(Transport):
         peers: Sequence[int],
     ) -> list[int]:
         self._check_open()
-        key = tuple(flag_indices)
-        index = self._index_cache.get(key)
-        if index is None:
-            index = self._index_cache[key] = torch.tensor(key, dtype=torch.long)
+        index = constant_index(tuple(flag_indices), self.device)
         last = torch.tensor(list(last_seen), dtype=torch.int32)
         watched = list(peers)
-        peer_index = torch.tensor(watched, dtype=torch.long)
+        peer_index = constant_index(tuple(watched), self.device)
         start = time.monotonic()
         deadline = start + timeout
         next_liveness = start + self._liveness_interval
