@@ -38,37 +38,6 @@ V3_YARN = RopeScaling(
 )
 
 
-def _tiny() -> DeepseekConfig:
-    return DeepseekConfig(
-        architecture="DeepseekV2ForCausalLM",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        moe_layer_freq=1,
-        n_group=1,
-        topk_group=1,
-        topk_method="greedy",
-        scoring_func="softmax",
-        norm_topk_prob=False,
-        routed_scaling_factor=1.0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=64,
-        v_head_dim=32,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        q_lora_rank=None,
-        rope_scaling=V2_LITE_YARN,
-    )
-
-
 def _v2_lite() -> DeepseekConfig:
     return DeepseekConfig(
         architecture="DeepseekV2ForCausalLM",
@@ -97,6 +66,25 @@ def _v2_lite() -> DeepseekConfig:
         rms_norm_eps=1e-6,
         q_lora_rank=None,
         rope_scaling=V2_LITE_YARN,
+    )
+
+
+def _tiny() -> DeepseekConfig:
+    """DeepSeek-V2-Lite shrunk to test size: the same routing, MLA layout and YaRN, with a
+    small vocabulary, width, depth and expert count."""
+    return dataclasses.replace(
+        _v2_lite(),
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
     )
 
 
