@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import afd_host_workers as workers
 import pytest
@@ -112,24 +113,23 @@ def test_a_replica_of_two_participants_is_served_as_one_work_item() -> None:
         assert all(parts == [0, 1] for *_, parts in served)
 
 
+def _garbage_specs(attention_extra: dict[str, Any], ffn_extra: dict[str, Any]) -> list[RankSpec]:
+    """One attention rank that writes garbage into a slot before its job, one FFN rank."""
+    attention = {
+        "seed": 1,
+        "layers": LAYERS,
+        "jobs": [{"layer": 0, "tokens": 8}],
+        "garbage_first": True,
+    }
+    return [
+        RankSpec(Role.ATTENTION, 0, workers.attention_linear, attention | attention_extra),
+        RankSpec(Role.FFN, 0, workers.ffn_linear, {"seed": 1, "layers": LAYERS} | ffn_extra),
+    ]
+
+
 def test_garbage_in_a_slot_is_a_protocol_error_not_a_crash() -> None:
     window = layout(1, 1, experts=4, ring_depth=2)
-    specs = [
-        RankSpec(
-            Role.ATTENTION,
-            0,
-            workers.attention_linear,
-            {
-                "seed": 1,
-                "layers": LAYERS,
-                "jobs": [{"layer": 0, "tokens": 8}],
-                "garbage_first": True,
-            },
-        ),
-        RankSpec(
-            Role.FFN, 0, workers.ffn_linear, {"seed": 1, "layers": LAYERS, "tolerate_garbage": True}
-        ),
-    ]
+    specs = _garbage_specs({}, {"tolerate_garbage": True})
     results = launch(window, specs, timeout=60)
     errors = results["ffn rank 0"].value["protocol_errors"]
     assert len(errors) == 1
@@ -139,21 +139,7 @@ def test_garbage_in_a_slot_is_a_protocol_error_not_a_crash() -> None:
 
 def test_garbage_fails_the_run_fast_when_not_tolerated() -> None:
     window = layout(1, 1, experts=4, ring_depth=2)
-    specs = [
-        RankSpec(
-            Role.ATTENTION,
-            0,
-            workers.attention_linear,
-            {
-                "seed": 1,
-                "layers": LAYERS,
-                "jobs": [{"layer": 0, "tokens": 8}],
-                "garbage_first": True,
-                "timeout": 30,
-            },
-        ),
-        RankSpec(Role.FFN, 0, workers.ffn_linear, {"seed": 1, "layers": LAYERS}),
-    ]
+    specs = _garbage_specs({"timeout": 30}, {})
     start = time.monotonic()
     with pytest.raises(LaunchError) as caught:
         launch(window, specs, timeout=60)
