@@ -14,7 +14,6 @@ Three measurements, each beside its floor from the same run:
 from __future__ import annotations
 
 import statistics
-import time
 from functools import partial
 from typing import Any
 
@@ -30,6 +29,7 @@ from afd_protocol import (
 from afd_protocol.host import launch
 from afd_protocol.host.launcher import RankSpec
 from afd_tools.bench.identity_ffn import serve_identity
+from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes, median_seconds
 
 PAYLOAD_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -42,22 +42,7 @@ HIDDEN, EXPERTS, TOPK = 2048, 64, 6
 
 def _pingpong(transport: Transport, iterations: int) -> list[float]:
     """Attention side bumps its flag in the FFN window; the FFN echoes it back."""
-    window = transport.window
-    me = transport.rank
-    out_flag = window.flag_index(me, 0)
-    in_flag = window.flag_index(0, 0)
-    seen = 0
-    samples = []
-    for i in range(1, iterations + 1):
-        start = time.perf_counter()
-        if transport.role is Role.ATTENTION:
-            transport.publish(0, out_flag, i)
-            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0])
-            samples.append(time.perf_counter() - start)
-        else:
-            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0])
-            transport.publish(0, out_flag, seen)
-    return samples
+    return flag_pingpong(transport, 0, 1, iterations)
 
 
 def _bandwidth(transport: Transport, sizes: list[int], repeats: int) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from afd_protocol import (
 from afd_protocol.host import launch
 from afd_protocol.host.launcher import RankSpec
 from afd_tools.bench.identity_ffn import serve_identity
+from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -73,22 +74,9 @@ so both know every expected value without reading the flag (which would race).""
 
 
 def _pingpong_transport(t: Transport, ring: int, iterations: int) -> list[float]:
-    window = t.window
-    out_flag = window.flag_index(t.rank, ring)
-    in_flag = window.flag_index(0, ring)
     base = _ROUNDS.get(ring, 0)
     _ROUNDS[ring] = base + iterations
-    seen = base
-    samples = []
-    for i in range(base + 1, base + iterations + 1):
-        start = time.perf_counter()
-        if t.role is Role.ATTENTION:
-            t.publish(0, out_flag, i)
-            (seen,) = t.wait_any([in_flag], [seen], 30.0, [0])
-            samples.append(time.perf_counter() - start)
-        else:
-            (seen,) = t.wait_any([in_flag], [seen], 30.0, [0])
-            t.publish(0, out_flag, seen)
+    samples = flag_pingpong(t, ring, base + 1, iterations)
     torch.cuda.synchronize(t.device)
     return samples
 
