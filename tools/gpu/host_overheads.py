@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from afd_protocol import Header, MessageKind, Topology, decode_header, encode_words, plan_dispatch
-from afd_protocol.staging import HeaderStaging, PinnedStaging
+from afd_protocol.window import HeaderUpload, PinnedUpload
 from afd_tools.bench.stats import median_seconds
 from afd_transport_nvshmem.cuda_memory import stream_write_value32
 
@@ -35,8 +35,8 @@ def main() -> None:
     header = Header(MessageKind.DISPATCH, 0, 3, 0, 1024, 6144, 0, 7, expert_counts=tuple([96] * 64))
     words = encode_words(header)
     word_tensor = torch.tensor(words, dtype=torch.int32)
-    staging = HeaderStaging(dev)
-    pinned = PinnedStaging(dev)
+    staging = HeaderUpload(dev)
+    pinned = PinnedUpload(dev)
     segments = torch.zeros(2, dtype=torch.int64, device=dev)
     dest = torch.zeros(78, dtype=torch.int32, device=dev)
     event = torch.Event(device=dev)
@@ -68,8 +68,8 @@ def main() -> None:
         ("CUDAGraph.replay (one kernel)", graph.replay),
         ("torch.tensor(78 ints)", lambda: torch.tensor(words, dtype=torch.int32)),
         ("pageable H2D copy_ of 78 words", lambda: dest.copy_(word_tensor)),
-        ("HeaderStaging.write", lambda: staging.write(dest, header, (0, 0))),
-        ("PinnedStaging.copy (2 int64)", lambda: pinned.copy(segments, (0, 6144), 0)),
+        ("HeaderUpload.write", lambda: staging.write(dest, header, (0, 0))),
+        ("PinnedUpload.copy (2 int64)", lambda: pinned.copy(segments, (0, 6144), 0)),
         ("torch.Event.query", event.query),
         ("torch.Event.record", lambda: event.record(stream)),
         ("encode_words (64 counts)", lambda: encode_words(header)),

@@ -36,8 +36,13 @@ def main(folder: str) -> int:
     if bench.exists():
         report = json.loads(bench.read_text())
         for key, value in report.get("latency_us", {}).items():
-            target = "target <= 5 us" if value <= 5 else "above 5 us"
-            rows.append(("latency", key, f"{value:.2f} us ({target})"))
+            # The <= 5 us target is for arrival as an endpoint sees it (through wait_any);
+            # the raw device-side ping-pongs have no host in the loop and no target.
+            if key.startswith("wait_any"):
+                verdict = "endpoint view; target <= 5 us " + ("met" if value <= 5 else "NOT met")
+            else:
+                verdict = "raw device-side ping-pong, no host in the loop"
+            rows.append(("latency", key, f"{value:.2f} us ({verdict})"))
         for size, r in report.get("bandwidth", {}).items():
             n = int(size)
             gbs = n / r["window"] / 1e9
@@ -55,8 +60,11 @@ def main(folder: str) -> int:
             else:
                 text = f"{gbs:.0f} GB/s = {gbs / REFERENCE_PEER_COPY_GBS:.2f} of the reference"
             rows.append(("bandwidth", label, text))
+        spread = report.get("layer_spread", {})
         for key, seconds in report.get("layer", {}).items():
-            rows.append(("layer 1A1F", key, f"{seconds * 1e3:.2f} ms"))
+            low, high = spread.get(f"{key}/p10"), spread.get(f"{key}/p90")
+            span = f" (p10-p90 {low * 1e3:.2f}-{high * 1e3:.2f})" if low and high else ""
+            rows.append(("layer 1A1F", key, f"{seconds * 1e3:.2f} ms{span}"))
     else:
         rows.append(("bench", "(no benchmark json)", "FAIL"))
         failed += 1

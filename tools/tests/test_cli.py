@@ -78,7 +78,7 @@ def test_console_script_help_lists_every_option() -> None:
     assert "default" in result.stdout
 
 
-def test_bench_transport_host_prints_its_tables_and_writes_json(tmp_path) -> None:
+def test_bench_transport_shm_prints_its_tables_and_writes_json(tmp_path) -> None:
     import json
 
     out = tmp_path / "bench.json"
@@ -98,7 +98,7 @@ def test_bench_transport_host_prints_its_tables_and_writes_json(tmp_path) -> Non
     ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["backend"] == "host"
+    assert report["backend"] == "shm"
     assert 0 < report["latency_us"]["p50"] < 100_000
     assert set(report["bandwidth"]) == {str(4 << 10), str(64 << 10)}
     for point in report["bandwidth"].values():

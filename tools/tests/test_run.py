@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_protocol.host import leftover_segments
+from afd_protocol.shm import leftover_segments
 from afd_tools.cli import main
 
 SMALL = [

@@ -1,4 +1,4 @@
-"""Rank programs for the multi-process role-split tests (spawned by afd_protocol.host.launch).
+"""Rank programs for the multi-process role-split tests (spawned by afd_protocol.launch).
 
 Both roles build their weights from the same seed by parameter name, so nothing but
 activations crosses the transport. The attention ranks return their final hidden states
@@ -18,11 +18,11 @@ from afd_models import (
     is_routed_expert,
     preset,
 )
-from afd_protocol import AttentionEndpoint, FFNEndpoint, Transport
+from afd_protocol import Connection, EndpointOptions
 
 
 def attention_rank(
-    transport: Transport,
+    connection: Connection,
     *,
     preset_name: str,
     dtype: str,
@@ -36,7 +36,8 @@ def attention_rank(
     model = AttentionRoleModel(
         config, source, dtype=getattr(torch, dtype), shared_placement=shared_placement
     )
-    endpoint = AttentionEndpoint(transport, timeout=60.0, num_layers=config.num_hidden_layers)
+    options = EndpointOptions(timeout=60.0, num_layers=config.num_hidden_layers)
+    endpoint = connection.attention_endpoint(options)
     hidden, in_flight = {}, {}
     for stages in stage_counts:
         out = model.forward(prompts, endpoint, num_stages=stages)
@@ -52,7 +53,7 @@ def attention_rank(
 
 
 def ffn_rank(
-    transport: Transport,
+    connection: Connection,
     *,
     preset_name: str,
     dtype: str,
@@ -61,7 +62,8 @@ def ffn_rank(
     backend: str,
 ) -> dict[str, Any]:
     config = preset(preset_name)
-    endpoint = FFNEndpoint(transport, timeout=60.0, num_layers=config.num_hidden_layers)
+    options = EndpointOptions(timeout=60.0, num_layers=config.num_hidden_layers)
+    endpoint = connection.ffn_endpoint(options)
     source = RandomWeights(seed)
     executor = FFNRoleExecutor(
         config,

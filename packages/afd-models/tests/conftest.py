@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned children inherit sys.path
 
-from afd_protocol.host import leftover_segments
+from afd_protocol.shm import leftover_segments
 
 
 @pytest.fixture(autouse=True, scope="session")

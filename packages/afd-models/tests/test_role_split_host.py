@@ -1,4 +1,4 @@
-"""The role split over the host transport: real processes, shared memory, 2 attention
+"""The role split over the shared-memory transport: real processes, 2 attention
 replicas x 2 FFN ranks, different prompts per replica, equal to MonolithicModel."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 from afd_models import MonolithicModel, RandomWeights, is_routed_expert
 from afd_models import preset as make_preset
 from afd_protocol import Role, SlotLayout, Topology
-from afd_protocol.host import launch
-from afd_protocol.host.launcher import RankSpec
+from afd_protocol.launch import RankSpec, launch
 
 SEED = 21
 STAGES = [1, 3]

@@ -19,15 +19,15 @@ from afd_models import (
 )
 from afd_models import preset as make_preset
 from afd_protocol import (
-    AttentionEndpoint,
+    EndpointOptions,
     FFNEndpoint,
-    LoopbackWorld,
+    RingExhausted,
     Role,
     SlotLayout,
     Topology,
-    TopologyError,
     WindowLayout,
 )
+from afd_protocol.window import LoopbackWorld
 
 SEED = 8
 
@@ -64,7 +64,7 @@ def serve_in_threads(
     results: dict[int, Any] = {}
 
     def serve(rank: int) -> None:
-        endpoint = FFNEndpoint(world.transport(Role.FFN, rank), timeout=20.0)
+        endpoint = world.transport(Role.FFN, rank).ffn_endpoint(EndpointOptions(timeout=20.0))
         executor = FFNRoleExecutor(
             config,
             endpoint.local_experts,
@@ -98,7 +98,9 @@ def test_replica_of_two_participants_and_grouped_mm_ffn() -> None:
     outputs: dict[int, Any] = {}
 
     def attend(rank: int) -> None:
-        endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, rank), timeout=20.0)
+        endpoint = world.transport(Role.ATTENTION, rank).attention_endpoint(
+            EndpointOptions(timeout=20.0)
+        )
         model = AttentionRoleModel(config, RandomWeights(SEED), shared_placement="ffn")
         try:
             outputs[rank] = model.forward(prompts[rank], endpoint, num_stages=2).hidden_states
@@ -119,7 +121,7 @@ def test_replica_of_two_participants_and_grouped_mm_ffn() -> None:
         assert naive.relative_error(outputs[rank], expected) <= 1e-5
     for stats in served.values():
         assert not isinstance(stats, Exception), stats
-        assert stats.items > 0
+        assert stats.items
         assert all(replica == 0 for replica, _, _ in stats.served)
 
 
@@ -129,7 +131,7 @@ def test_float16_with_shared_experts_on_the_ffn_side() -> None:
     assert config.routed_scaling_factor != 1.0
     world = LoopbackWorld(window_for("v3-mini", 1, 2, dtype="float16", shared="ffn"))
     threads, served = serve_in_threads(world, "v3-mini", torch.float16, "ffn", "reference")
-    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=20.0)
+    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=20.0))
     model = AttentionRoleModel(
         config, RandomWeights(SEED), dtype=torch.float16, shared_placement="ffn"
     )
@@ -148,7 +150,7 @@ def test_float16_with_shared_experts_on_the_ffn_side() -> None:
 
 def test_window_dtype_must_match_the_model() -> None:
     world = LoopbackWorld(window_for("tiny", 1, 1, dtype="bfloat16"))
-    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     model = AttentionRoleModel(make_preset("tiny"))
     with pytest.raises(ConfigError, match=r"window carries torch\.bfloat16"):
         model.forward([[1, 2, 3]], endpoint)
@@ -156,7 +158,7 @@ def test_window_dtype_must_match_the_model() -> None:
 
 def test_shared_placement_must_match_the_window() -> None:
     world = LoopbackWorld(window_for("tiny", 1, 1, shared="ffn"))
-    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     model = AttentionRoleModel(make_preset("tiny"), shared_placement="attention")
     with pytest.raises(ConfigError, match="shared_placement is 'ffn'"):
         model.forward([[1, 2, 3]], endpoint)
@@ -164,9 +166,9 @@ def test_shared_placement_must_match_the_window() -> None:
 
 def test_stages_need_a_ring_slot_each() -> None:
     world = LoopbackWorld(window_for("tiny", 1, 1, ring_depth=1))
-    endpoint = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     model = AttentionRoleModel(make_preset("tiny"))
-    with pytest.raises(TopologyError, match="ring exhausted"):
+    with pytest.raises(RingExhausted, match="ring exhausted"):
         model.forward([[1, 2, 3, 4]], endpoint, num_stages=2)
 
 
@@ -177,9 +179,9 @@ def dispatch_one(world: LoopbackWorld, layer: int, tokens: int = 5) -> FFNEndpoi
     x = torch.randn(tokens, slot.hidden_size, generator=gen)
     ids = torch.zeros(tokens, slot.topk, dtype=torch.long)
     ids += torch.arange(slot.topk)
-    attention = AttentionEndpoint(world.transport(Role.ATTENTION, 0), timeout=1.0)
+    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     attention.dispatch(layer, x, ids, torch.ones(tokens, slot.topk))
-    return FFNEndpoint(world.transport(Role.FFN, 0), timeout=1.0)
+    return world.transport(Role.FFN, 0).ffn_endpoint(EndpointOptions(timeout=1.0))
 
 
 def test_ffn_executor_rejects_what_its_config_cannot_serve() -> None:
@@ -197,6 +199,8 @@ def test_ffn_executor_rejects_what_its_config_cannot_serve() -> None:
     assert shared.shape == (5, config.hidden_size)
     with pytest.raises(ConfigError, match="owns"):
         FFNRoleExecutor(config, [0, 1]).serve(ffn)
+    with pytest.raises(ConfigError, match="shared_placement is 'ffn'"):
+        FFNRoleExecutor(config, ffn.local_experts, shared_placement="attention").serve(ffn)
 
     dense = dispatch_one(LoopbackWorld(window_for("tiny", 1, 1)), layer=0)
     with pytest.raises(ConfigError, match="not an MoE layer"):

@@ -1,6 +1,8 @@
-"""Endpoint logic driven step by step in one process over the loopback transport."""
+"""The window endpoints driven step by step in one process over the loopback transport."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -9,26 +11,39 @@ from afd_protocol import (
     AttentionEndpoint,
     CapacityError,
     ConnectorShutdown,
+    DispatchHandle,
     FFNEndpoint,
-    LoopbackWorld,
+    InvalidArgument,
     PeerAborted,
     PeerTimeout,
     ProtocolError,
+    RingExhausted,
     Role,
     SlotLayout,
     Topology,
     TopologyError,
     Word,
-    flag_words,
     plan_dispatch,
+    serve,
+)
+from afd_protocol.testing import LinearExperts, random_routing
+from afd_protocol.window import (
+    Arrivals,
+    KernelAttentionEndpoint,
+    LoopbackTransport,
+    LoopbackWorld,
+    WindowAttentionEndpoint,
+    WindowFFNEndpoint,
+    WindowKernels,
+    WindowOptions,
+    flag_words,
     reference_device_pack,
     reference_fused_combine,
     slot_view,
 )
-from afd_protocol.loopback import LoopbackTransport
-from afd_protocol.testing import LinearExperts, random_routing
 
 HIDDEN = 8
+FAST = WindowOptions(timeout=0.05)
 
 
 def make_world(
@@ -46,15 +61,15 @@ def make_world(
     return LoopbackWorld(layout.window(ring_depth=ring_depth))
 
 
-def endpoints(world: LoopbackWorld) -> tuple[list[AttentionEndpoint], list[FFNEndpoint]]:
+def endpoints(
+    world: LoopbackWorld,
+) -> tuple[list[WindowAttentionEndpoint], list[WindowFFNEndpoint]]:
     topo = world.window.slot.topology
     attn = [
-        AttentionEndpoint(world.transport(Role.ATTENTION, r), timeout=0.05)
+        world.transport(Role.ATTENTION, r).attention_endpoint(FAST)
         for r in range(topo.num_attention_ranks)
     ]
-    ffn = [
-        FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(topo.num_ffn_ranks)
-    ]
+    ffn = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(topo.num_ffn_ranks)]
     return attn, ffn
 
 
@@ -67,18 +82,9 @@ def route(num_tokens: int, topk: int, experts: list[int], seed: int) -> tuple[to
     return random_routing(num_tokens, HIDDEN, topk, experts, torch.Generator().manual_seed(seed))
 
 
-def drain(ffns: list[FFNEndpoint], experts: LinearExperts) -> list[tuple[int, int, int]]:
+def drain(ffns: Sequence[FFNEndpoint], experts: LinearExperts) -> list[tuple[int, int, int]]:
     """Serve every ready item on every FFN rank; returns (ffn, replica, layer) served."""
-    served = []
-    for ffn in ffns:
-        while True:
-            try:
-                item = ffn.next_work_item(timeout=0.001)
-            except PeerTimeout:
-                break
-            experts.serve(ffn, item)
-            served.append((ffn.rank, item.replica, item.layer))
-    return served
+    return experts.drain(ffns)
 
 
 @pytest.mark.parametrize("shared", ["attention", "ffn"])
@@ -111,10 +117,10 @@ def test_a_rank_that_receives_nothing_is_not_waited_on() -> None:
     ffn0_experts = list(world.window.slot.topology.local_experts(0))
     x, ids, w = route(6, 3, ffn0_experts, 4)
     handle = attn[0].dispatch(0, x, ids, w)
-    assert set(handle.expected_ffn) == {0}
+    assert handle.ffn_ranks == (0,)
     with pytest.raises(PeerTimeout, match="FFN rank 1: no work item"):
         ffns[1].next_work_item(timeout=0.01)
-    experts.serve(ffns[0], ffns[0].next_work_item())
+    experts.reply_to(ffns[0], ffns[0].next_work_item())
     out = attn[0].combine(handle)
     torch.testing.assert_close(
         out.double(), experts.reference(0, x, ids, w, False), rtol=1e-5, atol=1e-4
@@ -126,7 +132,7 @@ def test_scan_start_rotates_so_no_ready_replica_starves() -> None:
     attn, (ffn,) = endpoints(world)
     experts = linear_experts(world)
 
-    def send(ep: AttentionEndpoint, layer: int) -> None:
+    def send(ep: WindowAttentionEndpoint, layer: int) -> None:
         x, ids, w = route(3, 2, [0, 1, 2, 3], layer)
         ep.dispatch(layer, x, ids, w, stage=layer)
 
@@ -138,7 +144,7 @@ def test_scan_start_rotates_so_no_ready_replica_starves() -> None:
     for _ in range(6):
         item = ffn.next_work_item()
         picks.append(item.replica)
-        experts.serve(ffn, item)
+        experts.reply_to(ffn, item)
     assert picks[:3] == [0, 1, 2]
     assert picks.count(2) == 1
     assert picks[3:] == [0, 1, 0]
@@ -155,12 +161,12 @@ def test_a_replica_with_two_participants_is_ready_only_when_both_published() -> 
     with pytest.raises(PeerTimeout):
         ffns[0].next_work_item(timeout=0.01)  # only one participant has published
     h1 = attn[1].dispatch(2, x1, ids1, w1)
-    assert set(h1.expected_ffn) == {0, 1}  # participants publish to every FFN rank
+    assert h1.ffn_ranks == (0, 1)  # participants publish to every FFN rank
     for ffn in ffns:
         item = ffn.next_work_item()
         assert (item.replica, item.layer) == (0, 2)
         assert [p.src_rank for p in item.parts] == [0, 1]
-        experts.serve(ffn, item)
+        experts.reply_to(ffn, item)
     torch.testing.assert_close(
         attn[0].combine(h0).double(),
         experts.reference(2, x0, ids0, w0, False),
@@ -186,7 +192,7 @@ def test_capacity_overflow_and_ring_exhaustion_write_nothing_and_lose_nothing() 
         assert torch.equal(flag_words(world.windows[(Role.FFN, r)], world.window), before[r])
     x, ids, w = route(8, 3, list(range(7)), 8)
     handle = attn[0].dispatch(0, x, ids, w)
-    with pytest.raises(TopologyError, match="ring exhausted: 1 dispatches are in flight"):
+    with pytest.raises(RingExhausted, match="ring exhausted: 1 dispatches are in flight"):
         attn[0].dispatch(1, x, ids, w)
     drain(ffns, experts)
     torch.testing.assert_close(
@@ -195,7 +201,7 @@ def test_capacity_overflow_and_ring_exhaustion_write_nothing_and_lose_nothing() 
         rtol=1e-5,
         atol=1e-4,
     )
-    with pytest.raises(ProtocolError, match="not in flight"):
+    with pytest.raises(InvalidArgument, match="not in flight"):
         attn[0].combine(handle)
 
 
@@ -213,7 +219,7 @@ def test_stale_reply_is_rejected() -> None:
     experts = linear_experts(world)
     x, ids, w = route(4, 3, list(range(4)), 10)
     first = attn[0].dispatch(0, x, ids, w)
-    experts.serve(ffn, ffn.next_work_item())
+    experts.reply_to(ffn, ffn.next_work_item())
     attn[0].combine(first)
     second = attn[0].dispatch(1, x, ids, w)
     item = ffn.next_work_item()
@@ -240,7 +246,7 @@ def test_garbage_in_a_slot_raises_protocol_error_and_the_endpoint_recovers() -> 
         ffn.next_work_item()
     x, ids, w = route(4, 3, list(range(4)), 11)
     handle = attn[0].dispatch(0, x, ids, w)
-    experts.serve(ffn, ffn.next_work_item())
+    experts.reply_to(ffn, ffn.next_work_item())
     torch.testing.assert_close(
         attn[0].combine(handle).double(),
         experts.reference(0, x, ids, w, False),
@@ -290,22 +296,73 @@ def test_bad_inputs_say_what_to_change() -> None:
     world = make_world(a=1)
     attn, ffns = endpoints(world)
     x, ids, w = route(4, 3, list(range(7)), 14)
-    with pytest.raises(TopologyError, match=r"bfloat16 but the window carries torch\.float32"):
+    with pytest.raises(InvalidArgument, match=r"bfloat16 but the window carries torch\.float32"):
         attn[0].dispatch(0, x.bfloat16(), ids, w)
-    with pytest.raises(TopologyError, match=r"must be \[num_tokens, 8\]"):
+    with pytest.raises(InvalidArgument, match=r"must be \[num_tokens, 8\]"):
         attn[0].dispatch(0, x[:, :4], ids, w)
-    with pytest.raises(TopologyError, match="must agree"):
+    with pytest.raises(InvalidArgument, match="must agree"):
         attn[0].dispatch(0, x, ids, w[:, :2])
-    with pytest.raises(TopologyError, match="role attention"):
-        AttentionEndpoint(world.transport(Role.FFN, 0))
+    with pytest.raises(InvalidArgument, match="floating point"):
+        attn[0].dispatch(0, x, ids, ids)
+    with pytest.raises(InvalidArgument, match="role attention"):
+        WindowAttentionEndpoint(world.transport(Role.FFN, 0))
     handle = attn[0].dispatch(0, x, ids, w)
     item = ffns[0].next_work_item()
-    with pytest.raises(ProtocolError, match="routed_out has shape"):
+    with pytest.raises(InvalidArgument, match="routed_out has shape"):
         ffns[0].reply(item, torch.zeros(1, HIDDEN))
+    with pytest.raises(InvalidArgument, match=r"routed_out is torch\.float64"):
+        ffns[0].reply(item, torch.zeros(item.num_routed_rows, HIDDEN, dtype=torch.float64))
     ffns[0].reply(item, torch.zeros(item.num_routed_rows, HIDDEN))
-    with pytest.raises(ProtocolError, match="not in service"):
+    with pytest.raises(InvalidArgument, match="not in service"):
         ffns[0].reply(item, torch.zeros(item.num_routed_rows, HIDDEN))
     del handle
+
+
+def test_options_are_checked_when_made_and_fixed_afterwards() -> None:
+    with pytest.raises(InvalidArgument, match="timeout must be > 0"):
+        WindowOptions(timeout=0)
+    with pytest.raises(InvalidArgument, match="combine must be"):
+        WindowOptions(combine="fast")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="device_pack=True needs the fused combine"):
+        WindowOptions(combine="portable", device_pack=True)
+    options = WindowOptions()
+    with pytest.raises(AttributeError):
+        options.combine = "portable"  # type: ignore[misc]
+
+
+def test_one_open_endpoint_per_transport_and_a_closed_one_refuses_work() -> None:
+    world = make_world(a=1, f=1, experts=4)
+    transport = world.transport(Role.ATTENTION, 0)
+    first = transport.attention_endpoint(FAST)
+    with pytest.raises(InvalidArgument, match="already has an open endpoint"):
+        transport.attention_endpoint(FAST)
+    first.close()
+    first.close()  # idempotent
+    with pytest.raises(InvalidArgument, match="was closed"):
+        first.dispatch(0, *route(2, 3, list(range(4)), 40))
+    transport.attention_endpoint(FAST)  # the window is free again
+    with pytest.raises(InvalidArgument, match="role ffn"):
+        transport.ffn_endpoint(FAST)
+
+
+def test_an_endpoint_reopened_on_the_same_window_continues_its_sequence() -> None:
+    """The sequence counter and the values last seen live in the transport, so a second
+    endpoint on the same window neither reuses a sequence number nor misses a reply."""
+    world = make_world(a=1, f=1, experts=4, ring_depth=2)
+    experts = linear_experts(world)
+    transport = world.transport(Role.ATTENTION, 0)
+    (ffn,) = [world.transport(Role.FFN, 0).ffn_endpoint(FAST)]
+    for round_ in range(3):
+        attention = transport.attention_endpoint(FAST)
+        x, ids, w = route(4, 3, list(range(4)), 50 + round_)
+        handle = attention.dispatch(round_, x, ids, w)
+        experts.reply_to(ffn, ffn.next_work_item())
+        out = attention.combine(handle)
+        torch.testing.assert_close(
+            out.double(), experts.reference(round_, x, ids, w, False), rtol=1e-5, atol=1e-4
+        )
+        attention.close()
+    assert transport.sequence.last == 3
 
 
 def test_a_combine_retried_after_a_timeout_waits_only_for_the_missing_rank() -> None:
@@ -314,10 +371,10 @@ def test_a_combine_retried_after_a_timeout_waits_only_for_the_missing_rank() -> 
     experts = linear_experts(world)
     x, ids, w = route(6, 3, list(range(7)), 15)
     handle = attn[0].dispatch(1, x, ids, w)
-    experts.serve(ffns[0], ffns[0].next_work_item())
+    experts.reply_to(ffns[0], ffns[0].next_work_item())
     with pytest.raises(PeerTimeout, match=r"FFN ranks \[1\] did not reply"):
         attn[0].combine(handle, timeout=0.02)
-    experts.serve(ffns[1], ffns[1].next_work_item())
+    experts.reply_to(ffns[1], ffns[1].next_work_item())
     out = attn[0].combine(handle, timeout=1.0)
     expected = experts.reference(1, x, ids, w, False)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
@@ -327,9 +384,9 @@ def test_a_dispatch_refused_before_any_write_keeps_its_ring() -> None:
     world = make_world(a=1, ring_depth=1)
     attn, _ffns = endpoints(world)
     x, ids, w = route(4, 3, list(range(7)), 16)
-    with pytest.raises(TopologyError, match="requires grad"):
+    with pytest.raises(InvalidArgument, match="requires grad"):
         attn[0].dispatch(0, x.clone().requires_grad_(), ids, w)
-    with pytest.raises(TopologyError, match="topk=3"):
+    with pytest.raises(InvalidArgument, match="topk=3"):
         attn[0].dispatch(0, x, ids[:, :2], w[:, :2])
     handle = attn[0].dispatch(0, x, ids, w)  # the ring is still free
     assert handle.ring == 0
@@ -340,7 +397,7 @@ def test_low_precision_payloads_are_refused_until_the_endpoints_send_them() -> N
     layout = SlotLayout(topo, HIDDEN, 8, 2, dtype="bfloat16", payload_dtype="float8_e4m3fn")
     world = LoopbackWorld(layout.window())
     with pytest.raises(TopologyError, match="low-precision payloads"):
-        AttentionEndpoint(world.transport(Role.ATTENTION, 0))
+        world.transport(Role.ATTENTION, 0).attention_endpoint()
 
 
 class CapturingTransport(LoopbackTransport):
@@ -349,31 +406,26 @@ class CapturingTransport(LoopbackTransport):
 
     def __init__(self, world: LoopbackWorld, role: Role, rank: int) -> None:
         super().__init__(world, role, rank)
-        self.reads: list[tuple[int, int]] = []
-        self._snapshots: dict[int, tuple[int, torch.Tensor]] = {}
+        self.captures: list[tuple[int, int]] = []
 
     def wait_any(self, flag_indices, last_seen, timeout, peers):  # type: ignore[no-untyped-def]
-        values = super().wait_any(flag_indices, last_seen, timeout, peers)
-        for index, value, old in zip(flag_indices, values, last_seen, strict=True):
+        arrivals = super().wait_any(flag_indices, last_seen, timeout, peers)
+        headers = {}
+        for index, value, old in zip(flag_indices, arrivals.values, last_seen, strict=True):
             if value != old:
                 region, ring = divmod(index, self.window.ring_depth)
                 header = slot_view(self._local, self.window, region, ring).header
-                self._snapshots[index] = (value, header.clone())
+                headers[index] = header.clone()
+                self.captures.append((index, value))
                 header[Word.CHECKSUM] += 1  # decoding the window itself would now fail
-        return values
-
-    def read_header(self, flag_index: int, value: int, header: torch.Tensor) -> torch.Tensor:
-        self.reads.append((flag_index, value))
-        seen, words = self._snapshots[flag_index]
-        assert seen == value
-        return words
+        return Arrivals(arrivals.values, headers)
 
 
-def test_endpoints_decode_the_header_the_transport_hands_them() -> None:
+def test_endpoints_decode_the_header_the_transport_captured() -> None:
     world = make_world(a=1, f=2)
-    attention = AttentionEndpoint(CapturingTransport(world, Role.ATTENTION, 0), timeout=0.05)
+    attention = CapturingTransport(world, Role.ATTENTION, 0).attention_endpoint(FAST)
     ffn_transports = [CapturingTransport(world, Role.FFN, r) for r in range(2)]
-    ffns = [FFNEndpoint(t, timeout=0.05) for t in ffn_transports]
+    ffns = [t.ffn_endpoint(FAST) for t in ffn_transports]
     experts = linear_experts(world)
     x, ids, w = route(12, 3, list(range(7)), 9)
     handle = attention.dispatch(2, x, ids, w)
@@ -383,25 +435,56 @@ def test_endpoints_decode_the_header_the_transport_hands_them() -> None:
         out.double(), experts.reference(2, x, ids, w, False), rtol=1e-5, atol=1e-4
     )
     window = world.window
-    # Each FFN rank read attention rank 0's ring-0 slot once, at the dispatch's sequence;
-    # the attention rank read each FFN rank's reply once.
-    for t in ffn_transports:
-        assert t.reads == [(window.flag_index(0, 0), handle.expected_ffn[t.rank])]
-    reads = attention._transport.reads  # type: ignore[attr-defined]
-    assert sorted(i for i, _ in reads) == [window.flag_index(d, 0) for d in (0, 1)]
+    # Each FFN rank took attention rank 0's ring-0 slot once, at the dispatch's sequence
+    # number, and decoded the captured copy (the window's own copy no longer decodes).
+    for t, ffn in zip(ffn_transports, ffns, strict=True):
+        assert t.captures == [(window.flag_index(0, 0), 1 + t.rank)]
+        assert ffn.header_reads == {"captured": 1}
+    assert attention.header_reads == {"captured": 2}
+
+    # With capture_headers=False the endpoint copies the window's header, which the
+    # capturing transport corrupted: the copy is what gets decoded, and it fails.
+    world = make_world(a=1, f=1, experts=4)
+    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(FAST)
+    ffn = CapturingTransport(world, Role.FFN, 0).ffn_endpoint(
+        WindowOptions(timeout=0.05, capture_headers=False)
+    )
+    attention.dispatch(0, *route(2, 3, list(range(4)), 10))
+    with pytest.raises(ProtocolError, match="CHECKSUM"):
+        ffn.next_work_item()
+    assert ffn.header_reads == {"copied": 1}
 
 
-class FusedLoopbackTransport(LoopbackTransport):
-    """A loopback transport that offers the reference fused combine, counting its calls."""
+class CountingKernels:
+    """The reference kernels, counting their calls (and optionally failing once)."""
 
-    calls = 0
+    def __init__(self, device_pack: bool = True, fail_combine: Exception | None = None) -> None:
+        self.combines = 0
+        self.packs = 0
+        self.fail_combine = fail_combine
+        self.kernels = WindowKernels(self._combine, self._pack if device_pack else None)
 
-    def fused_combine(self):  # type: ignore[no-untyped-def]
-        def run(inputs):  # type: ignore[no-untyped-def]
-            FusedLoopbackTransport.calls += 1
-            return reference_fused_combine(inputs)
+    def _combine(self, inputs):  # type: ignore[no-untyped-def]
+        self.combines += 1
+        if self.fail_combine is not None:
+            failure, self.fail_combine = self.fail_combine, None
+            raise failure
+        return reference_fused_combine(inputs)
 
-        return run
+    def _pack(self, inputs):  # type: ignore[no-untyped-def]
+        self.packs += 1
+        reference_device_pack(inputs)
+
+
+def kernel_endpoint(
+    world: LoopbackWorld, kernels: CountingKernels, **options: object
+) -> KernelAttentionEndpoint:
+    transport = world.transport(Role.ATTENTION, 0)
+    return KernelAttentionEndpoint(
+        transport,
+        WindowOptions(timeout=0.05, **options),
+        kernels.kernels,  # type: ignore[arg-type]
+    )
 
 
 @pytest.mark.parametrize("shared", ["attention", "ffn"])
@@ -411,17 +494,20 @@ def test_fused_combine_agrees_with_the_per_rank_combine(shared: str) -> None:
     received nothing, a second ring, and fewer tokens than FFN ranks (shared rows)."""
     world = make_world(a=1, f=3, experts=7, shared=shared, ring_depth=2)
     experts = linear_experts(world)
-    attention = AttentionEndpoint(FusedLoopbackTransport(world, Role.ATTENTION, 0), timeout=0.05)
-    ffns = [FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(3)]
+    transport = world.transport(Role.ATTENTION, 0)
+    counting = CountingKernels()
+    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
     ffn0_and_1 = [e for r in (0, 1) for e in world.window.slot.topology.local_experts(r)]
     jobs = [
         (1, *route(20, 3, list(range(7)), 11)),
         (3, *route(9, 3, ffn0_and_1, 12)),  # FFN rank 2 gets no routed rows
         (0, *route(2, 3, list(range(7)), 13)),  # 2 tokens, 3 FFN ranks
     ]
-    FusedLoopbackTransport.calls = 0
-    for fused in (True, False):
-        attention.fused_combine = fused
+    results: dict[str, list[torch.Tensor]] = {}
+    for combine in ("fused", "portable"):
+        attention = KernelAttentionEndpoint(
+            transport, WindowOptions(timeout=0.05, combine=combine), counting.kernels
+        )
         outputs = []
         # The first two jobs are in flight together, so both rings carry replies.
         for batch in (jobs[:2], jobs[2:]):
@@ -436,10 +522,10 @@ def test_fused_combine_agrees_with_the_per_rank_combine(shared: str) -> None:
                 expected = experts.reference(layer, x, ids, w, shared == "ffn")
                 torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
                 outputs.append(out)
-        if fused:
-            fused_outputs = outputs
-    assert FusedLoopbackTransport.calls == len(jobs)
-    for a, b in zip(fused_outputs, outputs, strict=True):
+        results[combine] = outputs
+        attention.close()
+    assert counting.combines == len(jobs)  # the fused kernel ran for the fused endpoint only
+    for a, b in zip(results["fused"], results["portable"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -454,19 +540,6 @@ def test_wire_position_inverts_the_wire_order() -> None:
     assert torch.all(wire_of[ids.reshape(-1)[plan.order]].diff() >= 0)
 
 
-class PackingLoopbackTransport(FusedLoopbackTransport):
-    """Also offers the reference device pack, counting its calls."""
-
-    packs = 0
-
-    def device_pack(self):  # type: ignore[no-untyped-def]
-        def run(inputs):  # type: ignore[no-untyped-def]
-            PackingLoopbackTransport.packs += 1
-            reference_device_pack(inputs)
-
-        return run
-
-
 @pytest.mark.parametrize("shared", ["attention", "ffn"])
 def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(shared: str) -> None:
     """Dispatches packed from a device-side plan (headers, counts and checksums written by the
@@ -475,10 +548,9 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
     the portable path; expert ids out of range fail the combine, naming the id."""
     world = make_world(a=1, f=3, experts=7, shared=shared, ring_depth=2, tokens=32)
     experts = linear_experts(world)
-    attention = AttentionEndpoint(
-        PackingLoopbackTransport(world, Role.ATTENTION, 0), timeout=0.05, device_pack=True
-    )
-    ffns = [FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(3)]
+    counting = CountingKernels()
+    attention = kernel_endpoint(world, counting, device_pack=True)
+    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
     topo = world.window.slot.topology
     ffn0_and_1 = [e for r in (0, 1) for e in topo.local_experts(r)]
     routed_cap = world.window.slot.routed_cap
@@ -486,10 +558,9 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
         (1, *route(20, 3, list(range(7)), 21)),
         (2, *route(9, 3, ffn0_and_1, 22)),  # FFN rank 2's experts get nothing
         (0, *route(2, 3, list(range(7)), 23)),
-        (3, *route(32, 3, list(range(7)), 24)),  # 96 rows > routed_cap: the portable path
+        (3, *route(32, 3, list(range(7)), 24)),  # 96 rows > routed_cap: the host plan
     ]
     assert 32 * 3 > routed_cap >= 20 * 3
-    PackingLoopbackTransport.packs = 0
     served: list[tuple[int, int, int]] = []
     for batch in (jobs[:2], jobs[2:]):
         handles = [
@@ -501,58 +572,66 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
             out = attention.combine(handle)
             expected = experts.reference(layer, x, ids, w, shared == "ffn")
             torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
-    assert PackingLoopbackTransport.packs == 3
+    assert counting.packs == 3
     # FFN rank 2 served layer 2 (an empty part) because the packed path sends to everyone.
     assert (2, 0, 2) in served
     x, ids, w = route(4, 3, list(range(7)), 25)
     handle = attention.dispatch(0, x, ids.masked_fill(ids == ids[0, 0], 9), w)
     drain(ffns, experts)
-    with pytest.raises(TopologyError, match="expert id 9, outside \\[0, 7\\)"):
+    with pytest.raises(InvalidArgument, match="expert id 9, outside \\[0, 7\\)"):
         attention.combine(handle)
     assert attention.in_flight == 0  # the ring came back
 
 
-def test_device_pack_is_opt_in() -> None:
+def test_device_pack_is_opt_in_and_needs_kernels_that_have_one() -> None:
     world = make_world(a=1, f=3, experts=7)
-    transport = PackingLoopbackTransport(world, Role.ATTENTION, 0)
-    assert not AttentionEndpoint(transport, timeout=0.05).device_pack
-    assert AttentionEndpoint(transport, timeout=0.05, device_pack=True).device_pack
-    plain = world.transport(Role.ATTENTION, 0)  # no device pack to offer
-    assert not AttentionEndpoint(plain, timeout=0.05, device_pack=True).device_pack
+    experts = linear_experts(world)
+    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    counting = CountingKernels()
+    attention = kernel_endpoint(world, counting)  # the defaults: fused combine, no pack
+    x, ids, w = route(5, 3, list(range(7)), 26)
+    handle = attention.dispatch(0, x, ids, w)
+    drain(ffns, experts)
+    attention.combine(handle)
+    assert (counting.packs, counting.combines) == (0, 1)
+    attention.close()
+    with pytest.raises(InvalidArgument, match="have no device pack"):
+        kernel_endpoint(world, CountingKernels(device_pack=False), device_pack=True)
+    plain = world.transport(Role.ATTENTION, 0)  # no kernels at all
+    for options in (WindowOptions(device_pack=True), WindowOptions(combine="fused")):
+        with pytest.raises(InvalidArgument, match="need device kernels"):
+            plain.attention_endpoint(options)
 
 
 @pytest.mark.parametrize("shape", [(6,), (2, 3, 3)])
-def test_topk_ids_of_the_wrong_rank_are_a_topology_error_on_every_path(
+def test_topk_ids_of_the_wrong_rank_are_an_invalid_argument_on_every_path(
     shape: tuple[int, ...],
 ) -> None:
     world = make_world(a=1, f=3, experts=7)
-    transport = PackingLoopbackTransport(world, Role.ATTENTION, 0)
-    for device_pack in (False, True):
-        attention = AttentionEndpoint(transport, timeout=0.05, device_pack=device_pack)
+    transport = world.transport(Role.ATTENTION, 0)
+    counting = CountingKernels()
+    makers = [
+        lambda: transport.attention_endpoint(FAST),
+        lambda: KernelAttentionEndpoint(transport, FAST, counting.kernels),
+        lambda: KernelAttentionEndpoint(
+            transport, WindowOptions(timeout=0.05, device_pack=True), counting.kernels
+        ),
+    ]
+    for make in makers:
+        attention = make()
         ids = torch.zeros(shape, dtype=torch.long)
-        with pytest.raises(TopologyError, match="topk_ids"):
+        with pytest.raises(InvalidArgument, match="topk_ids"):
             attention.dispatch(0, torch.zeros(shape[0], HIDDEN), ids, torch.zeros(shape))
         assert attention.in_flight == 0
+        attention.close()
 
 
 def test_a_packed_dispatch_combine_can_be_retried_after_the_kernel_failed() -> None:
     world = make_world(a=1, f=3, experts=7)
     experts = linear_experts(world)
-    failures = [RuntimeError("out of memory (simulated)")]
-
-    class FlakyCombine(PackingLoopbackTransport):
-        def fused_combine(self):  # type: ignore[no-untyped-def]
-            def run(inputs):  # type: ignore[no-untyped-def]
-                if failures:
-                    raise failures.pop()
-                return reference_fused_combine(inputs)
-
-            return run
-
-    attention = AttentionEndpoint(
-        FlakyCombine(world, Role.ATTENTION, 0), timeout=0.05, device_pack=True
-    )
-    ffns = [FFNEndpoint(world.transport(Role.FFN, r), timeout=0.05) for r in range(3)]
+    counting = CountingKernels(fail_combine=RuntimeError("out of memory (simulated)"))
+    attention = kernel_endpoint(world, counting, device_pack=True)
+    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
     x, ids, w = route(5, 3, list(range(7)), 31)
     handle = attention.dispatch(1, x, ids, w)
     drain(ffns, experts)
@@ -564,3 +643,42 @@ def test_a_packed_dispatch_combine_can_be_retried_after_the_kernel_failed() -> N
         out.double(), experts.reference(1, x, ids, w, False), rtol=1e-5, atol=1e-4
     )
     assert attention.in_flight == 0
+
+
+def run_layers_through_the_protocols(
+    attention: AttentionEndpoint,
+    ffns: Sequence[FFNEndpoint],
+    experts: LinearExperts,
+    layers: int,
+) -> list[float]:
+    """Dispatch, serve and combine through the endpoint protocols alone (no concrete type)."""
+    from afd_protocol import relative_error
+
+    errors = []
+    for layer in range(layers):
+        x, ids, w = route(6 + layer, 3, list(range(7)), 60 + layer)
+        handle = attention.dispatch(layer, x, ids, w)
+        assert isinstance(handle, DispatchHandle)
+        assert (handle.layer, handle.stage) == (layer, 0)
+        experts.drain(ffns)
+        out = attention.combine(handle)
+        errors.append(relative_error(out, experts.reference(layer, x, ids, w, False)))
+    attention.announce_shutdown()
+    return errors
+
+
+def test_both_roles_run_through_the_endpoint_protocols_and_the_serving_loop() -> None:
+    world = make_world(a=1, f=2)
+    experts = linear_experts(world)
+    connections = [
+        world.transport(Role.ATTENTION, 0),
+        *(world.transport(Role.FFN, r) for r in (0, 1)),
+    ]
+    attention: AttentionEndpoint = connections[0].attention_endpoint(FAST)
+    ffns: list[FFNEndpoint] = [c.ffn_endpoint(FAST) for c in connections[1:]]
+    errors = run_layers_through_the_protocols(attention, ffns, experts, layers=3)
+    assert max(errors) <= 1e-6
+    # After the attention rank's shutdown the one serving loop returns at once, cleanly.
+    for ffn in ffns:
+        stats = serve(ffn, experts.compute_for(ffn))
+        assert stats.items == []

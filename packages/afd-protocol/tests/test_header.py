@@ -128,3 +128,14 @@ def test_flags_and_wrong_input_types() -> None:
         decode_header(encode_header(h).to(torch.int64))
     with pytest.raises(ProtocolError, match="does not fit in int32"):
         encode_words(Header(MessageKind.DISPATCH, 0, 0, 0, 2**31, 0, 0, seq=1))
+
+
+def test_sequence_numbers_wrap_to_one_and_never_use_zero() -> None:
+    from afd_protocol import SEQ_LIMIT, next_seq
+
+    assert next_seq(0) == 1
+    assert next_seq(41) == 42
+    assert next_seq(SEQ_LIMIT - 2) == SEQ_LIMIT - 1
+    assert next_seq(SEQ_LIMIT - 1) == 1  # the largest positive int32 wraps to 1, not 0
+    header = Header(MessageKind.DISPATCH, 0, 0, 0, 0, 0, 0, seq=SEQ_LIMIT - 1)
+    assert decode_header(encode_words(header)).seq == SEQ_LIMIT - 1

@@ -29,6 +29,23 @@ def test_errors_form_one_hierarchy() -> None:
         afd_protocol.PeerTimeout,
         afd_protocol.PeerAborted,
         afd_protocol.ConnectorShutdown,
+        afd_protocol.InvalidArgument,
+        afd_protocol.RingExhausted,
     ]
     assert all(issubclass(e, afd_protocol.AFDError) for e in errors)
     assert issubclass(afd_protocol.PeerTimeout, TimeoutError)
+    # A caller's bad argument, a full ring and a configuration error need different fixes.
+    assert not issubclass(afd_protocol.InvalidArgument, afd_protocol.TopologyError)
+    assert not issubclass(afd_protocol.RingExhausted, afd_protocol.TopologyError)
+
+
+def test_the_readme_examples_run_as_written() -> None:
+    """Every ```python block of the package README runs without error (they assert)."""
+    import re
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        exec(compile(block, str(readme), "exec"), {})

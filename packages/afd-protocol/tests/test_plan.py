@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from afd_protocol import (
     CapacityError,
     ExpertPlacement,
+    InvalidArgument,
     ProtocolError,
     SharedPlacement,
     SlotLayout,
     Topology,
-    TopologyError,
     combine,
     combine_scatter,
     expert_ids_from_counts,
@@ -169,13 +169,13 @@ def test_capacity_overflow_raises_with_the_numbers_before_any_write() -> None:
 
 def test_bad_router_output_is_a_clear_error() -> None:
     topo = Topology(num_attention_ranks=1, num_ffn_ranks=2, num_experts=4)
-    with pytest.raises(TopologyError, match="expert id 4, outside"):
+    with pytest.raises(InvalidArgument, match="expert id 4, outside"):
         plan_dispatch(torch.tensor([[0, 4]]), topo)
-    with pytest.raises(TopologyError, match="expert id -1"):
+    with pytest.raises(InvalidArgument, match="expert id -1"):
         plan_dispatch(torch.tensor([[-1, 2]]), topo)
-    with pytest.raises(TopologyError, match="shape"):
+    with pytest.raises(InvalidArgument, match="shape"):
         plan_dispatch(torch.tensor([0, 1]), topo)
-    with pytest.raises(TopologyError, match="integer"):
+    with pytest.raises(InvalidArgument, match="integer"):
         plan_dispatch(torch.tensor([[0.0, 1.0]]), topo)
 
 
@@ -212,7 +212,7 @@ def test_bf16_combine_accumulates_in_fp32() -> None:
 )
 def test_reference_fused_combine_matches_a_naive_loop(tokens: int, ffn: int, shared: bool) -> None:
     """The fused-combine specification, checked one token and one choice at a time."""
-    from afd_protocol import CombineInputs, reference_fused_combine
+    from afd_protocol.window import CombineInputs, reference_fused_combine
 
     hidden, experts, topk = 5, 8, 3
     gen = torch.Generator().manual_seed(tokens + ffn)

@@ -1,4 +1,4 @@
-"""Rank programs for the two-GPU tests (spawned by afd_protocol.host.launch)."""
+"""Rank programs for the two-GPU tests (spawned by afd_protocol.launch)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,18 @@ from typing import Any
 import torch
 
 from afd_protocol import (
-    AttentionEndpoint,
     CapacityError,
-    ConnectorShutdown,
-    DevicePlan,
+    Connection,
+    DispatchHandle,
+    EndpointOptions,
     FFNEndpoint,
-    PendingDispatch,
-    Transport,
-    Word,
+    WorkItem,
     expert_ids_from_counts,
+    plan_dispatch,
+    relative_error,
+    serve,
 )
-from afd_protocol.testing import LinearExperts, random_routing, relative_error
+from afd_protocol.testing import LinearExperts, random_routing
 
 
 @contextlib.contextmanager
@@ -37,26 +38,41 @@ def no_host_sync(enabled: bool) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _header_reads(transport: Transport) -> dict[str, int]:
-    return dict(getattr(transport, "header_reads", {}))
+class StrictAfterFirst:
+    """An FFN endpoint whose intake and replies, after the first item, run with CUDA's sync
+    debug mode set to "error": any blocking device-to-host copy or stream sync raises."""
+
+    def __init__(self, endpoint: FFNEndpoint, enabled: bool) -> None:
+        self.endpoint = endpoint
+        self.enabled = enabled
+        self.served = 0
+
+    def __getattr__(self, name: str) -> Any:  # rank, dtype, local_experts, ...
+        return getattr(self.endpoint, name)
+
+    def next_work_item(self, timeout: float | None = None) -> WorkItem:
+        with no_host_sync(self.enabled and self.served > 0):
+            return self.endpoint.next_work_item(timeout)
+
+    def reply(self, item: WorkItem, routed: torch.Tensor, shared: torch.Tensor | None) -> None:
+        with no_host_sync(self.enabled and self.served > 0):
+            self.endpoint.reply(item, routed, shared)
+        self.served += 1
 
 
-def _plan_summary(handle: PendingDispatch) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
-    """Who was waited on, the segment bounds and the counts (read back from a device plan)."""
-    plan = handle.plan
-    if isinstance(plan, DevicePlan):
-        segments = tuple(plan.segment_offsets.tolist())
-        return sorted(handle.expected_ffn), segments, tuple(plan.expert_counts.tolist())
-    return sorted(handle.expected_ffn), plan.segment_offsets, plan.host_expert_counts
+def _plan_summary(connection: Connection, handle: DispatchHandle, ids: torch.Tensor) -> Any:
+    """Who was waited on, the segment bounds and the counts of the same routing's host plan."""
+    plan = plan_dispatch(ids, connection.layout.topology, connection.layout.shared_placement)
+    return list(handle.ffn_ranks), plan.segment_offsets, plan.host_expert_counts
 
 
-def _experts(transport: Transport, layers: int, seed: int) -> LinearExperts:
-    slot = transport.window.slot
+def _experts(connection: Connection, layers: int, seed: int) -> LinearExperts:
+    slot = connection.layout
     return LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
 
 
 def ffn_grouped(
-    transport: Transport,
+    connection: Connection,
     *,
     layers: int,
     seed: int,
@@ -65,50 +81,47 @@ def ffn_grouped(
 ) -> dict[str, Any]:
     """Serve with a real grouped GEMM (torch._grouped_mm where available) on the GPU.
 
-    With ``check_no_sync``, every endpoint call after the first item runs with CUDA's sync
-    debug mode set to "error": taking a work item and replying must not block on the GPU.
+    With ``check_no_sync``, taking a work item and replying (after the first item) run with
+    CUDA's sync debug mode set to "error": neither may block on the GPU.
     """
-    ep = FFNEndpoint(transport, timeout=60.0)
-    experts = _experts(transport, layers, seed).to(transport.device)
-    local = torch.tensor(ep.local_experts, device=transport.device)
-    grouped = hasattr(torch, "_grouped_mm") and transport.device.type == "cuda"
-    served = 0
+    ep = connection.ffn_endpoint(EndpointOptions(timeout=60.0))
+    device = connection.device
+    experts = _experts(connection, layers, seed).to(device)
+    local = torch.tensor(ep.local_experts, device=device)
+    grouped = hasattr(torch, "_grouped_mm") and device.type == "cuda"
     layers_on_device: list[torch.Tensor] = []
-    while True:
-        strict = check_no_sync and served > 0
-        try:
-            with no_host_sync(strict):
-                item = ep.next_work_item()
-        except ConnectorShutdown:
-            return {
-                "served": served,
-                "grouped_mm": grouped,
-                "header_reads": _header_reads(transport),
-                "layers_on_device": [t.tolist() for t in layers_on_device],
-            }
-        if die_after is not None and served >= die_after:
+
+    def compute(item: WorkItem) -> tuple[torch.Tensor, torch.Tensor]:
+        if die_after is not None and len(layers_on_device) >= die_after:
             os.kill(os.getpid(), signal.SIGKILL)
         outs = []
         for part in item.parts:
             weights = experts.routed[item.layer][local].to(ep.dtype)  # [E_local, H, H]
             rows = part.routed_rows
             if grouped and rows.shape[0]:
-                offsets = torch.cumsum(part.group_list.to(transport.device), 0).to(torch.int32)
+                offsets = torch.cumsum(part.group_list.to(device), 0).to(torch.int32)
                 # Grouped GEMM kernels take each expert's matrix column-major.
                 column_major = weights.transpose(-2, -1).contiguous().transpose(-2, -1)
                 outs.append(torch._grouped_mm(rows, column_major, offs=offsets))
             else:
-                ids = expert_ids_from_counts(part.group_list.to(transport.device), rows.shape[0])
+                ids = expert_ids_from_counts(part.group_list.to(device), rows.shape[0])
                 outs.append(torch.bmm(rows.unsqueeze(1), weights[ids]).squeeze(1))
         shared = torch.cat([p.shared_rows.float() @ experts.shared[item.layer] for p in item.parts])
-        layers_on_device.append(torch.stack([p.header_words[Word.LAYER] for p in item.parts]))
-        with no_host_sync(strict):
-            ep.reply(item, torch.cat(outs).to(ep.dtype), shared.to(ep.dtype))
-        served += 1
+        layers_on_device.append(torch.cat([p.layer_index for p in item.parts]))
+        return torch.cat(outs), shared
+
+    strict = StrictAfterFirst(ep, check_no_sync)
+    stats = serve(strict, compute)  # type: ignore[arg-type]  # a duck-typed FFNEndpoint
+    return {
+        "served": len(stats.items),
+        "grouped_mm": grouped,
+        "header_reads": dict(getattr(ep, "header_reads", {})),
+        "layers_on_device": [t.tolist() for t in layers_on_device],
+    }
 
 
 def attention_jobs(
-    transport: Transport,
+    connection: Connection,
     *,
     layers: int,
     seed: int,
@@ -122,9 +135,9 @@ def attention_jobs(
 
     With ``check_no_sync``, ``combine`` runs with CUDA's sync debug mode set to "error".
     """
-    slot = transport.window.slot
-    ep = AttentionEndpoint(transport, timeout=60.0)
-    experts = _experts(transport, layers, seed)
+    slot = connection.layout
+    ep = connection.attention_endpoint(EndpointOptions(timeout=60.0))
+    experts = _experts(connection, layers, seed)
     gen = torch.Generator().manual_seed(seed + 7)
     everyone = range(slot.topology.num_experts)
     out: dict[str, Any] = {"errors": [], "overflow": None, "plans": [], "outputs": []}
@@ -133,9 +146,9 @@ def attention_jobs(
         try:
             ep.dispatch(
                 0,
-                x.to(ep.dtype).to(transport.device),
-                ids.to(transport.device),
-                w.to(transport.device),
+                x.to(ep.dtype).to(connection.device),
+                ids.to(connection.device),
+                w.to(connection.device),
             )
         except CapacityError as exc:
             out["overflow"] = str(exc)
@@ -150,7 +163,7 @@ def attention_jobs(
                 gen,
                 ep.dtype,
             )
-            dev = transport.device
+            dev = connection.device
             handle = ep.dispatch(job["layer"], x.to(dev), ids.to(dev), w.to(dev), stage=stage)
             batch.append((job["layer"], x, ids, w, handle))
         for layer, x, ids, w, handle in batch:
@@ -162,10 +175,10 @@ def attention_jobs(
                 relative_error(result, experts.reference(layer, x, ids, w, shared))
             )
             if record:
-                out["plans"].append(_plan_summary(handle))
+                out["plans"].append(_plan_summary(connection, handle, ids))
                 out["outputs"].append(result.float().cpu())
-    if transport.device.type == "cuda":
-        torch.cuda.synchronize(transport.device)
+    if connection.device.type == "cuda":
+        torch.cuda.synchronize(connection.device)
     ep.announce_shutdown()
-    out["header_reads"] = _header_reads(transport)
+    out["header_reads"] = dict(getattr(ep, "header_reads", {}))
     return out

@@ -105,47 +105,16 @@ def test_transport_without_cuda_says_so() -> None:
     window = SlotLayout(Topology(1, 1, 4), 16, 8, 2).window()
     with pytest.raises(TopologyError, match="needs a CUDA device"):
         NvshmemTransport(window, "attention", 0, store=None)  # type: ignore[arg-type]
-    with pytest.raises(TopologyError, match="wait must be one of"):
-        NvshmemTransport(window, "attention", 0, store=None, wait="spin")  # type: ignore[arg-type]
+    from afd_protocol import InvalidArgument
+    from afd_transport_nvshmem import NvshmemOptions
+
+    with pytest.raises(InvalidArgument, match="wait must be 'device' or 'host'"):
+        NvshmemOptions(wait="spin")  # type: ignore[arg-type]
 
 
 def test_package_metadata() -> None:
     assert afd_transport_nvshmem.__version__ == distribution("afd-transport-nvshmem").version
     assert resources.files(afd_transport_nvshmem).joinpath("py.typed").is_file()
-
-
-def test_default_tcp_store_exchanges_bytes_and_times_out_clearly(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import socket
-    import threading
-
-    from afd_protocol import PeerTimeout
-    from afd_transport_nvshmem.bootstrap import TcpStore
-
-    with socket.socket() as probe:  # a free port on loopback
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    monkeypatch.setenv("AFD_NVSHMEM_STORE_PORT", str(port))
-    stores: dict[int, TcpStore] = {}
-
-    def open_store(rank: int) -> None:
-        stores[rank] = TcpStore(rank, 2, timeout=5.0)
-
-    threads = [threading.Thread(target=open_store, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    uid = bytes(range(128))
-    stores[0].set("afd/nvshmem/uid", uid)
-    assert stores[1].get("afd/nvshmem/uid") == uid
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("AFD_NVSHMEM_STORE_PORT", str(probe.getsockname()[1]))
-    alone = TcpStore(0, 1, timeout=0.3)
-    with pytest.raises(PeerTimeout, match=r"did not appear within 0\.3 s"):
-        alone.get("afd/never")
 
 
 def test_two_ranks_on_one_gpu_are_refused_naming_them() -> None:

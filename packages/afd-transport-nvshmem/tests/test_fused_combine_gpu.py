@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_protocol import CombineInputs, Topology, plan_dispatch, reference_fused_combine
+from afd_protocol import Topology, plan_dispatch
+from afd_protocol.window import CombineInputs, reference_fused_combine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,13 +80,12 @@ def test_triton_device_pack_matches_the_reference(
         HEADER_FIXED_WORDS,
         Header,
         MessageKind,
-        PackInputs,
+        SharedPlacement,
         decode_header,
         encode_words,
         plan_on_device,
-        reference_device_pack,
     )
-    from afd_protocol.layout import SharedPlacement
+    from afd_protocol.window import PackInputs, reference_device_pack
     from afd_transport_nvshmem.device_pack import triton_device_pack
 
     experts, topk = 16, 4

@@ -1,17 +1,17 @@
 """Two processes on two GPUs over NVSHMEM: the endpoint matrix, faults, and equivalence with
-the host transport. Skipped without two GPUs and the NVSHMEM library."""
+the shared-memory transport. Skipped without two GPUs and the NVSHMEM library."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import afd_nvshmem_workers as workers
 import pytest
 import torch
 
 from afd_protocol import Role, SlotLayout, Topology
-from afd_protocol.host import LaunchError, launch
-from afd_protocol.host.launcher import RankSpec, host_transport
+from afd_protocol.launch import LaunchError, RankSpec, launch, shm_transport
 from afd_transport_nvshmem import NvshmemUnavailable, find_host_library
 
 
@@ -33,10 +33,11 @@ pytestmark = [
 LAYERS = 4
 
 
-def factory():
+def factory(wait: str = "device"):
+    from afd_transport_nvshmem import NvshmemOptions
     from afd_transport_nvshmem.launch_support import nvshmem_transport
 
-    return nvshmem_transport
+    return partial(nvshmem_transport, options=NvshmemOptions(wait=wait))
 
 
 def window(
@@ -50,8 +51,7 @@ def window(
 
 @pytest.mark.parametrize("wait", ["device", "host"])
 @pytest.mark.parametrize("shared", ["attention", "ffn"])
-def test_endpoint_matrix_on_two_gpus(wait: str, shared: str, monkeypatch) -> None:
-    monkeypatch.setenv("AFD_NVSHMEM_WAIT", wait)
+def test_endpoint_matrix_on_two_gpus(wait: str, shared: str) -> None:
     jobs = [
         {"layer": 0, "tokens": 256},
         {"layer": 3, "tokens": 7},  # uneven batches, layers out of order
@@ -86,7 +86,7 @@ def test_endpoint_matrix_on_two_gpus(wait: str, shared: str, monkeypatch) -> Non
         ),
     ]
     results = launch(
-        window(ring_depth=2, shared=shared), specs, timeout=240, transport_factory=factory()
+        window(ring_depth=2, shared=shared), specs, timeout=240, transport_factory=factory(wait)
     )
     attention = results["attention rank 0"].value
     ffn = results["ffn rank 0"].value
@@ -95,7 +95,7 @@ def test_endpoint_matrix_on_two_gpus(wait: str, shared: str, monkeypatch) -> Non
     assert max(attention["errors"]) <= 2e-2, attention["errors"]
     assert ffn["served"] == len(jobs) - 1  # the empty batch sent nothing
     assert ffn["grouped_mm"] == hasattr(torch, "_grouped_mm")
-    # The layer index as the device sees it, read from the landed header words.
+    # The layer index as the device sees it, read from the landed header.
     assert [layers[0] for layers in ffn["layers_on_device"]] == [
         job["layer"] for job in jobs if job["tokens"]
     ]
@@ -127,11 +127,11 @@ def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout() -> None:
     assert elapsed < 120
 
 
-def test_host_and_nvshmem_transports_agree() -> None:
+def test_shm_and_nvshmem_transports_agree() -> None:
     jobs = [{"layer": i % LAYERS, "tokens": t} for i, t in enumerate([200, 3, 77, 128])]
     spec_kwargs = {"layers": LAYERS, "seed": 5, "jobs": jobs, "record": True}
     outcomes = {}
-    for name, make in (("host", host_transport), ("nvshmem", factory())):
+    for name, make in (("shm", shm_transport), ("nvshmem", factory())):
         specs = [
             RankSpec(Role.ATTENTION, 0, workers.attention_jobs, spec_kwargs),
             RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 5}),
@@ -139,7 +139,7 @@ def test_host_and_nvshmem_transports_agree() -> None:
         outcomes[name] = launch(window(), specs, timeout=240, transport_factory=make)[
             "attention rank 0"
         ].value
-    host, gpu = outcomes["host"], outcomes["nvshmem"]
+    host, gpu = outcomes["shm"], outcomes["nvshmem"]
     assert host["plans"] == gpu["plans"]  # identical integer parts
     for a, b in zip(host["outputs"], gpu["outputs"], strict=True):
         rel = float((a - b).norm() / a.norm().clamp_min(1e-12))

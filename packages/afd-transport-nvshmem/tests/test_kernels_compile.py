@@ -15,8 +15,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from afd_protocol import HEADER_FIXED_WORDS, Word  # noqa: E402
-from afd_protocol.header import CHECKSUM_SALT  # noqa: E402
+from afd_protocol import CHECKSUM_SALT, HEADER_FIXED_WORDS, Word  # noqa: E402
 from afd_transport_nvshmem import device_pack, device_wait, fused_combine  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)

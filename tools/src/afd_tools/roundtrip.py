@@ -1,4 +1,4 @@
-"""``afd roundtrip``: real processes move MoE layers through the host transport, checked.
+"""``afd roundtrip``: real processes move MoE layers through shared memory, checked.
 
 Launches A attention ranks and F FFN ranks as separate processes connected by shared
 memory windows. Every attention rank runs several MoE layers on its own batch size
@@ -17,19 +17,18 @@ from typing import Any
 import torch
 
 from afd_protocol import (
-    AttentionEndpoint,
-    ConnectorShutdown,
-    FFNEndpoint,
+    Connection,
+    EndpointOptions,
     Role,
     SharedPlacement,
     SlotLayout,
     Topology,
-    Transport,
+    relative_error,
+    serve,
     torch_dtype,
 )
-from afd_protocol.host import launch
-from afd_protocol.host.launcher import RankSpec
-from afd_protocol.testing import LinearExperts, random_routing, relative_error
+from afd_protocol.launch import RankSpec, launch
+from afd_protocol.testing import LinearExperts, random_routing
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
@@ -61,13 +60,13 @@ def add_parser(sub: Any) -> None:
 
 
 def attention_rank(
-    transport: Transport, *, layers: int, tokens: int, seed: int, timeout: float
+    connection: Connection, *, layers: int, tokens: int, seed: int, timeout: float
 ) -> dict[str, Any]:
-    slot = transport.window.slot
+    slot = connection.layout
     experts = LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
     dtype = torch_dtype(slot.dtype)
-    endpoint = AttentionEndpoint(transport, timeout=timeout)
-    gen = torch.Generator().manual_seed(seed + 1 + transport.rank)
+    endpoint = connection.attention_endpoint(EndpointOptions(timeout=timeout))
+    gen = torch.Generator().manual_seed(seed + 1 + connection.rank)
     everyone = range(slot.topology.num_experts)
     worst, rows = 0.0, 0
     destinations: set[int] = set()
@@ -79,26 +78,18 @@ def attention_rank(
         reference = experts.reference(layer, x, ids, w, slot.shared_placement.value == "ffn")
         worst = max(worst, relative_error(out, reference))
         rows += tokens * slot.topk
-        destinations.update(pending.expected_ffn)
+        destinations.update(pending.ffn_ranks)
     elapsed = time.perf_counter() - start
     endpoint.announce_shutdown()
     return {"worst": worst, "partials": rows, "ffn": sorted(destinations), "seconds": elapsed}
 
 
-def ffn_rank(transport: Transport, *, layers: int, seed: int, timeout: float) -> dict[str, Any]:
-    slot = transport.window.slot
+def ffn_rank(connection: Connection, *, layers: int, seed: int, timeout: float) -> dict[str, Any]:
+    slot = connection.layout
     experts = LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
-    endpoint = FFNEndpoint(transport, timeout=timeout)
-    items = 0
-    replicas: set[int] = set()
-    while True:
-        try:
-            item = endpoint.next_work_item()
-        except ConnectorShutdown:
-            return {"items": items, "replicas": sorted(replicas)}
-        experts.serve(endpoint, item)
-        items += 1
-        replicas.add(item.replica)
+    endpoint = connection.ffn_endpoint(EndpointOptions(timeout=timeout))
+    stats = serve(endpoint, experts.compute_for(endpoint))
+    return {"items": len(stats.items), "replicas": sorted({r.replica for r in stats.items})}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from afd_models.batch import PrefixKV, PromptBatch, Segment, Stage
 from afd_models.config import DeepseekConfig, RopeScaling
 from afd_models.errors import BackendUnavailable, ConfigError, WeightsError
 from afd_models.experts import ExpertWeights, GroupedRows
-from afd_models.ffn_role import FFNRoleExecutor, ServeStats
+from afd_models.ffn_role import FFNRoleExecutor
 from afd_models.mlp import GatedMLP
 from afd_models.moe import MoELayer, routed_experts
 from afd_models.monolithic import MonolithicModel
@@ -93,7 +93,6 @@ __all__ = [
     "Routing",
     "SafetensorsWeights",
     "Segment",
-    "ServeStats",
     "Stage",
     "WeightSelection",
     "WeightSource",

@@ -31,7 +31,7 @@ from afd_models.params import shared_placement_of
 from afd_models.schedule import run_prefill
 from afd_models.trunk import Trunk
 from afd_models.weights import WeightSource
-from afd_protocol import AttentionEndpoint, PendingDispatch, SharedPlacement
+from afd_protocol import AttentionEndpoint, DispatchHandle, SharedPlacement
 
 
 @dataclass
@@ -87,6 +87,12 @@ class AttentionRoleModel:
                 f"the window carries {endpoint.dtype} but this model runs in {self.dtype}; "
                 f"build the SlotLayout with the model's dtype"
             )
+        if endpoint.shared_placement is not self.shared_placement:
+            raise ConfigError(
+                f"the endpoint's shared_placement is {endpoint.shared_placement.value!r} but "
+                f"this AttentionRoleModel was built for {self.shared_placement.value!r}; build "
+                f"both from the same setting"
+            )
         batch = PromptBatch.from_prompts(prompts, self.device)
         self.stats = AttentionRunStats()
         remote = _RemoteMoE(self, endpoint)
@@ -118,12 +124,6 @@ class _RemoteMoE:
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale
         pending = self.endpoint.dispatch(layer, x, routing.topk_ids, weights, stage=stage)
-        if pending.plan.shared_placement is not self.model.shared_placement:
-            raise ConfigError(
-                f"the window's shared_placement is {pending.plan.shared_placement.value!r} but "
-                f"this AttentionRoleModel was built for {self.model.shared_placement.value!r}; "
-                f"build both from the same setting"
-            )
         stats = self.model.stats
         stats.dispatches += 1
         stats.layers.append(layer)
@@ -132,7 +132,7 @@ class _RemoteMoE:
         return pending, self.model.trunk.shared_experts(layer, x)
 
     def end(self, handle: Any) -> torch.Tensor:
-        pending: PendingDispatch = handle[0]
+        pending: DispatchHandle = handle[0]
         shared: torch.Tensor | None = handle[1]
         start = time.perf_counter()
         out = self.endpoint.combine(pending).to(self.model.device)

@@ -11,9 +11,7 @@ it, scaled by the same float16 rule as everywhere else (:mod:`afd_models.scaling
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -26,20 +24,7 @@ from afd_models.mlp import GatedMLP
 from afd_models.params import ModelParams, shared_placement_of
 from afd_models.scaling import BranchScales
 from afd_models.weights import WeightSource
-from afd_protocol import ConnectorShutdown, FFNEndpoint, SharedPlacement, WorkItem
-
-
-@dataclass
-class ServeStats:
-    """What :meth:`FFNRoleExecutor.serve` did."""
-
-    items: int = 0
-    routed_rows: int = 0
-    shared_rows: int = 0
-    busy_s: float = 0.0
-    """Time spent computing and replying (the rest was waiting for work)."""
-    served: list[tuple[int, int, int]] = field(default_factory=list)
-    """``(replica, layer, stage)`` of every item, in service order."""
+from afd_protocol import FFNEndpoint, ServeStats, SharedPlacement, WorkItem, serve
 
 
 class FFNRoleExecutor:
@@ -120,32 +105,29 @@ class FFNRoleExecutor:
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
 
-    def serve(self, endpoint: FFNEndpoint, *, timeout: float | None = None) -> ServeStats:
-        """Serve work items until every attention rank has shut down.
+    def serve(
+        self, endpoint: FFNEndpoint, *, timeout: float | None = None, keep_waiting: bool = False
+    ) -> ServeStats:
+        """Serve work items with :func:`afd_protocol.serve` until every attention rank shut down.
 
-        ``timeout`` bounds each wait for the next item (``PeerTimeout`` when exceeded);
-        ``None`` uses the endpoint's own timeout.
+        ``timeout`` bounds each wait for the next item (``PeerTimeout`` when exceeded,
+        unless ``keep_waiting``: then idle stretches are waited out, and only a failed peer
+        ends the loop); ``None`` uses the endpoint's own timeout.
         """
         if tuple(endpoint.local_experts) != self.local_experts:
             raise ConfigError(
                 f"this executor holds experts {list(self.local_experts)} but FFN rank "
                 f"{endpoint.rank} owns {list(endpoint.local_experts)}"
             )
-        stats = ServeStats()
-        with torch.inference_mode():
-            while True:
-                try:
-                    item = endpoint.next_work_item(timeout)
-                except ConnectorShutdown:
-                    return stats
-                start = time.perf_counter()
-                routed, shared = self.compute(item)
-                endpoint.reply(item, routed.to(endpoint.dtype), shared)
-                stats.busy_s += time.perf_counter() - start
-                stats.items += 1
-                stats.routed_rows += item.num_routed_rows
-                stats.shared_rows += sum(p.shared_rows.shape[0] for p in item.parts)
-                stats.served.append((item.replica, item.layer, item.stage))
+        if endpoint.shared_placement is not self.shared_placement:
+            raise ConfigError(
+                f"the endpoint's shared_placement is {endpoint.shared_placement.value!r} but "
+                f"this executor was built for {self.shared_placement.value!r}; build both from "
+                f"the same setting"
+            )
+        return serve(
+            endpoint, self.compute, timeout=timeout, while_idle="wait" if keep_waiting else "raise"
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this rank holds, by checkpoint name."""

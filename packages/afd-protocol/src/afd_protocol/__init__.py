@@ -1,48 +1,56 @@
 """afd-protocol: the contract between attention and FFN ranks in asynchronous AFD.
 
 Pure Python on torch tensors, device-agnostic, no vLLM and no CUDA. Any engine or
-transport can build on it:
+transport can build on it. This namespace is the contract core (:mod:`afd_protocol.core`):
 
 * :class:`Topology`, :class:`ExpertPlacement`, :class:`Role` -- who talks to whom.
 * :class:`SlotLayout`, :class:`WindowLayout` -- where every byte of a window lives, the
-  capacities, and the geometry digest both roles compare at start-up.
+  capacities, and the geometry both roles compare at start-up.
 * :func:`encode_header` / :func:`decode_header` -- the in-band metadata of every slot.
-* :func:`plan_dispatch` / :func:`combine_scatter` / :func:`combine` -- routing partials
-  to FFN ranks with one stable sort, and the fp32 weighted combine of their replies.
-* :class:`Transport` -- the interface a backend implements; :class:`AttentionEndpoint`
-  and :class:`FFNEndpoint` -- dispatch/combine and work-item intake/reply over it.
-* :mod:`afd_protocol.host` -- the host shared-memory transport and a process launcher.
-* :class:`WorkItem`, :class:`PendingDispatch` -- the work-item contract's types.
+* :func:`plan_dispatch` / :func:`plan_on_device` / :func:`combine_scatter` /
+  :func:`combine` -- routing partials to FFN ranks with one stable sort, and the fp32
+  weighted combine of their replies.
+* :class:`AttentionEndpoint`, :class:`FFNEndpoint`, :class:`Connection`,
+  :class:`EndpointOptions` -- the protocols every backend implements; :class:`WorkItem`
+  -- what an FFN rank serves; :func:`serve` -- the one FFN serving loop.
+* :class:`Rendezvous` over a :class:`KeyValueStore` -- start-up and shutdown agreement.
 * The error hierarchy rooted at :class:`AFDError`.
+
+Layers above it, imported by their own names (``import-linter`` keeps the direction):
+:mod:`afd_protocol.window` (bytes-and-flags transports and the endpoints over them),
+:mod:`afd_protocol.shm` (the shared-memory transport), :mod:`afd_protocol.launch`
+(ranks as processes on one machine) and :mod:`afd_protocol.testing` (linear experts and
+an independent reference, for checking any backend).
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from afd_protocol.attention_endpoint import AttentionEndpoint
-from afd_protocol.device_pack import (
-    DevicePack,
-    DevicePlan,
-    PackInputs,
-    plan_on_device,
-    reference_device_pack,
+from afd_protocol.core.endpoints import (
+    AttentionEndpoint,
+    Connection,
+    DispatchHandle,
+    EndpointOptions,
+    FFNEndpoint,
 )
-from afd_protocol.errors import (
+from afd_protocol.core.errors import (
     AFDError,
     CapacityError,
     ConnectorShutdown,
+    InvalidArgument,
     PeerAborted,
     PeerTimeout,
     ProtocolError,
+    RingExhausted,
     TopologyError,
 )
-from afd_protocol.ffn_endpoint import FFNEndpoint
-from afd_protocol.fused import CombineInputs, FusedCombine, reference_fused_combine
-from afd_protocol.header import (
+from afd_protocol.core.header import (
+    CHECKSUM_SALT,
     FLAG_ABORT,
     FLAG_SHUTDOWN,
     HEADER_FIXED_WORDS,
     MAGIC,
     PROTOCOL_VERSION,
+    SEQ_LIMIT,
     Header,
     HeaderLimits,
     MessageKind,
@@ -50,8 +58,9 @@ from afd_protocol.header import (
     decode_header,
     encode_header,
     encode_words,
+    next_seq,
 )
-from afd_protocol.layout import (
+from afd_protocol.core.layout import (
     ALIGN,
     FieldSpec,
     SharedPlacement,
@@ -59,19 +68,27 @@ from afd_protocol.layout import (
     WindowLayout,
     check_same_geometry,
 )
-from afd_protocol.loopback import LoopbackTransport, LoopbackWorld
-from afd_protocol.plan import (
+from afd_protocol.core.plan import (
+    DevicePlan,
     DispatchPlan,
     combine,
     combine_scatter,
     expert_ids_from_counts,
     new_accumulator,
     plan_dispatch,
+    plan_on_device,
 )
-from afd_protocol.topology import ExpertPlacement, Role, Topology
-from afd_protocol.transport import Transport
-from afd_protocol.views import SlotView, abort_words, flag_words, slot_view, torch_dtype
-from afd_protocol.workitem import PendingDispatch, WorkItem, WorkItemKey, WorkItemPart
+from afd_protocol.core.rendezvous import (
+    DirectoryStore,
+    KeyValueStore,
+    PeerRecord,
+    Rendezvous,
+    TcpStore,
+)
+from afd_protocol.core.serving import Compute, ItemRecord, ServeStats, serve
+from afd_protocol.core.tensors import constant_index, relative_error, torch_dtype
+from afd_protocol.core.topology import ExpertPlacement, Role, Topology
+from afd_protocol.core.workitem import WorkItem, WorkItemKey, WorkItemPart
 
 try:
     __version__ = version("afd-protocol")
@@ -80,60 +97,65 @@ except PackageNotFoundError:  # a source tree that was not installed
 
 __all__ = [
     "ALIGN",
+    "CHECKSUM_SALT",
     "FLAG_ABORT",
     "FLAG_SHUTDOWN",
     "HEADER_FIXED_WORDS",
     "MAGIC",
     "PROTOCOL_VERSION",
+    "SEQ_LIMIT",
     "AFDError",
     "AttentionEndpoint",
     "CapacityError",
-    "CombineInputs",
+    "Compute",
+    "Connection",
     "ConnectorShutdown",
-    "DevicePack",
     "DevicePlan",
+    "DirectoryStore",
+    "DispatchHandle",
     "DispatchPlan",
+    "EndpointOptions",
     "ExpertPlacement",
     "FFNEndpoint",
     "FieldSpec",
-    "FusedCombine",
     "Header",
     "HeaderLimits",
-    "LoopbackTransport",
-    "LoopbackWorld",
+    "InvalidArgument",
+    "ItemRecord",
+    "KeyValueStore",
     "MessageKind",
-    "PackInputs",
     "PeerAborted",
+    "PeerRecord",
     "PeerTimeout",
-    "PendingDispatch",
     "ProtocolError",
+    "Rendezvous",
+    "RingExhausted",
     "Role",
+    "ServeStats",
     "SharedPlacement",
     "SlotLayout",
-    "SlotView",
+    "TcpStore",
     "Topology",
     "TopologyError",
-    "Transport",
     "WindowLayout",
     "Word",
     "WorkItem",
     "WorkItemKey",
     "WorkItemPart",
     "__version__",
-    "abort_words",
     "check_same_geometry",
     "combine",
     "combine_scatter",
+    "constant_index",
     "decode_header",
     "encode_header",
     "encode_words",
     "expert_ids_from_counts",
-    "flag_words",
     "new_accumulator",
+    "next_seq",
     "plan_dispatch",
     "plan_on_device",
-    "reference_device_pack",
-    "reference_fused_combine",
-    "slot_view",
+    "relative_error",
+    "serve",
     "torch_dtype",
 ]

@@ -15,9 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from afd_protocol.ffn_endpoint import FFNEndpoint
-from afd_protocol.plan import expert_ids_from_counts
-from afd_protocol.workitem import WorkItem
+from afd_protocol.core.endpoints import FFNEndpoint
+from afd_protocol.core.errors import PeerTimeout
+from afd_protocol.core.plan import expert_ids_from_counts
+from afd_protocol.core.serving import Compute
+from afd_protocol.core.workitem import WorkItem
 
 
 class LinearExperts:
@@ -43,16 +45,39 @@ class LinearExperts:
         table = torch.tensor(list(local_experts), dtype=torch.long, device=self.routed.device)
         routed, shared = [], []
         for part in item.parts:
-            ids = table[expert_ids_from_counts(part.group_list, part.header.routed_rows)]
+            ids = table[expert_ids_from_counts(part.group_list, part.routed_rows.shape[0])]
             rows = part.routed_rows.float()
             routed.append(torch.bmm(rows.unsqueeze(1), self.routed[item.layer][ids]).squeeze(1))
             shared.append(part.shared_rows.float() @ self.shared[item.layer])
         return torch.cat(routed).to(dtype), torch.cat(shared).to(dtype)
 
-    def serve(self, ffn: FFNEndpoint, item: WorkItem) -> None:
-        """Compute ``item`` on FFN rank ``ffn`` and reply."""
+    def compute_for(self, ffn: FFNEndpoint) -> Compute:
+        """The ``compute`` that :func:`~afd_protocol.core.serving.serve` runs on ``ffn``."""
+        local, dtype = ffn.local_experts, ffn.dtype
+        return lambda item: self.outputs(item, local, dtype)
+
+    def reply_to(self, ffn: FFNEndpoint, item: WorkItem) -> None:
+        """Compute one ``item`` taken from ``ffn`` and reply (for step-by-step tests)."""
         routed, shared = self.outputs(item, ffn.local_experts, ffn.dtype)
         ffn.reply(item, routed, shared)
+
+    def drain(self, ffns: Sequence[FFNEndpoint], poll: float = 0.001) -> list[tuple[int, int, int]]:
+        """Serve every item that is ready on each FFN rank in turn, for step-by-step tests
+        in one thread; returns ``(ffn rank, replica, layer)`` of each, in service order.
+
+        A rank is left as soon as nothing became ready within ``poll`` seconds, so this
+        never waits for work that is not already published.
+        """
+        served = []
+        for ffn in ffns:
+            while True:
+                try:
+                    item = ffn.next_work_item(timeout=poll)
+                except PeerTimeout:
+                    break
+                self.reply_to(ffn, item)
+                served.append((ffn.rank, item.replica, item.layer))
+        return served
 
     def reference(
         self,
@@ -99,12 +124,3 @@ def random_routing(
         ids = torch.empty(0, topk, dtype=torch.long)
     weights = torch.rand(num_tokens, topk, generator=generator)
     return x, ids, weights
-
-
-def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
-    """``|out - ref| / |ref|`` in the Frobenius norm (0 for two empty tensors)."""
-    if reference.numel() == 0:
-        return 0.0
-    ref = reference.detach().double().cpu()
-    diff = (out.detach().double().cpu() - ref).norm()
-    return float(diff / ref.norm().clamp_min(1e-30))

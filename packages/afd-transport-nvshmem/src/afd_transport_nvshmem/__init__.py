@@ -17,10 +17,10 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 
 def __getattr__(name: str) -> object:
-    if name == "NvshmemTransport":  # imports torch.cuda helpers only when asked for
-        from afd_transport_nvshmem.transport import NvshmemTransport
+    if name in ("NvshmemTransport", "NvshmemOptions"):  # torch.cuda helpers only when asked
+        from afd_transport_nvshmem import transport
 
-        return NvshmemTransport
+        return getattr(transport, name)
     raise AttributeError(name)
 
 
@@ -28,6 +28,7 @@ __all__ = [
     "SINGLE_NODE_DEFAULTS",
     "STRUCT_SIZES",
     "NvshmemLibrary",
+    "NvshmemOptions",
     "NvshmemTransport",
     "NvshmemUnavailable",
     "__version__",

@@ -11,7 +11,9 @@ initialisation goes through ``nvshmemx_hostlib_init_attr`` / ``nvshmemx_hostlib_
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from afd_protocol import AFDError
 from afd_transport_nvshmem.library import NvshmemUnavailable, find_host_library
@@ -59,8 +61,60 @@ def version_word(struct: type[ctypes.Structure]) -> int:
     return (1 << 16) + ctypes.sizeof(struct)
 
 
+@dataclass(frozen=True)
+class Function:
+    """One exported C function: its name, return type and argument types."""
+
+    name: str
+    restype: Any
+    argtypes: tuple[Any, ...]
+
+
+_uid_p = ctypes.POINTER(UniqueId)
+_attr_p = ctypes.POINTER(InitAttr)
+_int_p = ctypes.POINTER(ctypes.c_int)
+
+EXPORTED_FUNCTIONS: tuple[Function, ...] = (
+    # int nvshmemx_get_uniqueid(nvshmemx_uniqueid_t *id)
+    Function("nvshmemx_get_uniqueid", ctypes.c_int, (_uid_p,)),
+    # int nvshmemx_set_attr_uniqueid_args(int myrank, int nranks,
+    #                                     const nvshmemx_uniqueid_t *id,
+    #                                     nvshmemx_init_attr_t *attr)
+    Function(
+        "nvshmemx_set_attr_uniqueid_args",
+        ctypes.c_int,
+        (ctypes.c_int, ctypes.c_int, _uid_p, _attr_p),
+    ),
+    # int nvshmemx_hostlib_init_attr(unsigned int flags, nvshmemx_init_attr_t *attr)
+    Function("nvshmemx_hostlib_init_attr", ctypes.c_int, (ctypes.c_uint, _attr_p)),
+    # void nvshmemx_hostlib_finalize(void)
+    Function("nvshmemx_hostlib_finalize", None, ()),
+    # void *nvshmem_malloc(size_t size)
+    Function("nvshmem_malloc", ctypes.c_void_p, (ctypes.c_size_t,)),
+    # void nvshmem_free(void *ptr)
+    Function("nvshmem_free", None, (ctypes.c_void_p,)),
+    # void *nvshmem_ptr(const void *dest, int pe)
+    Function("nvshmem_ptr", ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_int)),
+    # int nvshmem_my_pe(void)
+    Function("nvshmem_my_pe", ctypes.c_int, ()),
+    # int nvshmem_n_pes(void)
+    Function("nvshmem_n_pes", ctypes.c_int, ()),
+    # void nvshmem_barrier_all(void)
+    Function("nvshmem_barrier_all", None, ()),
+    # void nvshmemx_vendor_get_version_info(int *major, int *minor, int *patch)
+    Function("nvshmemx_vendor_get_version_info", None, (_int_p, _int_p, _int_p)),
+)
+"""Every entry point afd uses, with the C prototype it binds (from NVSHMEM's headers)."""
+
+
+def check_status(status: int, call: str, hint: str = "") -> None:
+    """Raise :class:`AFDError` naming ``call`` when an NVSHMEM status is not 0 (success)."""
+    if status != 0:
+        raise AFDError(f"{call} failed with status {status}{'; ' + hint if hint else ''}")
+
+
 class NvshmemLibrary:
-    """The loaded host library with typed entry points."""
+    """The loaded host library with typed entry points (:data:`EXPORTED_FUNCTIONS`)."""
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else find_host_library()
@@ -68,38 +122,19 @@ class NvshmemLibrary:
             lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
             raise NvshmemUnavailable(f"cannot load {self.path}: {exc}") from exc
-        self._lib = lib
-        c_int, c_size_t, c_void_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
-        signatures: dict[str, tuple[list[type], type | None]] = {
-            "nvshmemx_get_uniqueid": ([ctypes.POINTER(UniqueId)], c_int),
-            "nvshmemx_set_attr_uniqueid_args": (
-                [c_int, c_int, ctypes.POINTER(UniqueId), ctypes.POINTER(InitAttr)],
-                c_int,
-            ),
-            "nvshmemx_hostlib_init_attr": ([ctypes.c_uint, ctypes.POINTER(InitAttr)], c_int),
-            "nvshmemx_hostlib_finalize": ([], None),
-            "nvshmem_malloc": ([c_size_t], c_void_p),
-            "nvshmem_free": ([c_void_p], None),
-            "nvshmem_ptr": ([c_void_p, c_int], c_void_p),
-            "nvshmem_my_pe": ([], c_int),
-            "nvshmem_n_pes": ([], c_int),
-            "nvshmem_barrier_all": ([], None),
-            "nvshmemx_vendor_get_version_info": (
-                [ctypes.POINTER(c_int), ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
-                None,
-            ),
-        }
-        for name, (argtypes, restype) in signatures.items():
+        self._fn: dict[str, Any] = {}
+        for function in EXPORTED_FUNCTIONS:
             try:
-                fn = getattr(lib, name)
+                fn = getattr(lib, function.name)
             except AttributeError:
-                raise NvshmemUnavailable(f"{self.path} does not export {name}") from None
-            fn.argtypes = argtypes
-            fn.restype = restype
+                raise NvshmemUnavailable(f"{self.path} does not export {function.name}") from None
+            fn.restype = function.restype
+            fn.argtypes = list(function.argtypes)
+            self._fn[function.name] = fn
 
     def version(self) -> tuple[int, int, int]:
         major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        self._lib.nvshmemx_vendor_get_version_info(
+        self._fn["nvshmemx_vendor_get_version_info"](
             ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch)
         )
         return major.value, minor.value, patch.value
@@ -107,9 +142,7 @@ class NvshmemLibrary:
     def unique_id(self) -> bytes:
         """A fresh unique id (rank 0 makes it; the others receive it through a store)."""
         uid = UniqueId(version=version_word(UniqueId))
-        rc = self._lib.nvshmemx_get_uniqueid(ctypes.byref(uid))
-        if rc != 0:
-            raise AFDError(f"nvshmemx_get_uniqueid failed with status {rc}")
+        check_status(self._fn["nvshmemx_get_uniqueid"](ctypes.byref(uid)), "nvshmemx_get_uniqueid")
         return bytes(ctypes.string_at(ctypes.addressof(uid), UNIQUEID_BYTES))
 
     def init(self, unique_id: bytes, rank: int, world_size: int) -> None:
@@ -120,31 +153,30 @@ class NvshmemLibrary:
         attr = InitAttr(version=version_word(InitAttr))
         attr.args.version = version_word(InitArgs)
         attr.args.uid_args.version = version_word(UniqueIdArgs)
-        rc = self._lib.nvshmemx_set_attr_uniqueid_args(
+        status = self._fn["nvshmemx_set_attr_uniqueid_args"](
             rank, world_size, ctypes.byref(uid), ctypes.byref(attr)
         )
-        if rc != 0:
-            raise AFDError(f"nvshmemx_set_attr_uniqueid_args failed with status {rc}")
+        check_status(status, "nvshmemx_set_attr_uniqueid_args")
         # ``attr`` keeps a pointer to ``uid``: both stay alive across the call below.
-        rc = self._lib.nvshmemx_hostlib_init_attr(INIT_WITH_UNIQUEID, ctypes.byref(attr))
-        if rc != 0:
-            raise AFDError(
-                f"nvshmemx_hostlib_init_attr failed with status {rc} (rank {rank} of "
-                f"{world_size}); set NVSHMEM_DEBUG=INFO for NVSHMEM's own diagnostics"
-            )
+        status = self._fn["nvshmemx_hostlib_init_attr"](INIT_WITH_UNIQUEID, ctypes.byref(attr))
+        check_status(
+            status,
+            f"nvshmemx_hostlib_init_attr (rank {rank} of {world_size})",
+            "set NVSHMEM_DEBUG=INFO for NVSHMEM's own diagnostics",
+        )
 
     def finalize(self) -> None:
-        self._lib.nvshmemx_hostlib_finalize()
+        self._fn["nvshmemx_hostlib_finalize"]()
 
     def my_pe(self) -> int:
-        return int(self._lib.nvshmem_my_pe())
+        return int(self._fn["nvshmem_my_pe"]())
 
     def n_pes(self) -> int:
-        return int(self._lib.nvshmem_n_pes())
+        return int(self._fn["nvshmem_n_pes"]())
 
     def malloc(self, nbytes: int) -> int:
         """Collective symmetric allocation; returns this PE's device address."""
-        address = self._lib.nvshmem_malloc(nbytes)
+        address = self._fn["nvshmem_malloc"](nbytes)
         if not address:
             raise AFDError(
                 f"nvshmem_malloc({nbytes}) failed: the symmetric heap is too small; raise "
@@ -153,12 +185,12 @@ class NvshmemLibrary:
         return int(address)
 
     def free(self, address: int) -> None:
-        self._lib.nvshmem_free(ctypes.c_void_p(address))
+        self._fn["nvshmem_free"](ctypes.c_void_p(address))
 
     def peer_address(self, address: int, pe: int) -> int:
         """``address`` of PE ``pe`` mapped into this process (0 when not P2P reachable)."""
-        mapped = self._lib.nvshmem_ptr(ctypes.c_void_p(address), pe)
+        mapped = self._fn["nvshmem_ptr"](ctypes.c_void_p(address), pe)
         return int(mapped) if mapped else 0
 
     def barrier_all(self) -> None:
-        self._lib.nvshmem_barrier_all()
+        self._fn["nvshmem_barrier_all"]()

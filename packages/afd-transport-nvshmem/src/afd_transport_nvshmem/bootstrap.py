@@ -2,8 +2,8 @@
 
 The AFD world is two independent role groups, so NVSHMEM is not initialised through a
 torch process group: rank 0 makes a unique id, publishes it in a store (a
-``torch.distributed.TCPStore`` on 127.0.0.1, a rendezvous directory, or any object with
-``set``/``get``), every rank initialises with it, and the AFD world *is*
+:class:`~afd_protocol.TcpStore` on 127.0.0.1, a :class:`~afd_protocol.DirectoryStore`, or
+any :class:`~afd_protocol.KeyValueStore`), every rank initialises with it, and the AFD world *is*
 ``NVSHMEM_TEAM_WORLD`` -- PE numbers equal AFD world ranks, which is asserted.
 """
 
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Protocol
 
-from afd_protocol import PeerTimeout, TopologyError
+from afd_protocol import KeyValueStore, TopologyError
 from afd_transport_nvshmem.binding import NvshmemLibrary
 
 SINGLE_NODE_DEFAULTS: Mapping[str, str] = {
@@ -24,64 +23,6 @@ SINGLE_NODE_DEFAULTS: Mapping[str, str] = {
 }
 HEAP_MARGIN = 512 << 20
 """Symmetric heap reserved beyond the window (NVSHMEM's own internal allocations)."""
-
-
-class KeyValueStore(Protocol):
-    """What the transport needs from a store: ``get`` blocks until the key exists (up to
-    the store's timeout); ``check`` tells without blocking whether all keys exist."""
-
-    def set(self, key: str, value: bytes) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def check(self, keys: list[str]) -> bool: ...
-
-
-DEFAULT_STORE_PORT = 29517
-ENV_STORE_PORT = "AFD_NVSHMEM_STORE_PORT"
-
-
-class TcpStore:
-    """The default store: a ``torch.distributed.TCPStore`` on 127.0.0.1 hosted by world
-    rank 0, on port ``AFD_NVSHMEM_STORE_PORT`` (default 29517); timeouts become
-    :class:`PeerTimeout`."""
-
-    def __init__(self, world_rank: int, world_size: int, timeout: float = 60.0) -> None:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported
-
-        self.port = int(os.environ.get(ENV_STORE_PORT, DEFAULT_STORE_PORT))
-        self._timeout = timeout
-        try:
-            self._store = TCPStore(
-                "127.0.0.1",
-                self.port,
-                world_size,
-                is_master=world_rank == 0,
-                timeout=timedelta(seconds=timeout),
-            )
-        except RuntimeError as exc:
-            raise PeerTimeout(
-                f"cannot reach or host the store on 127.0.0.1:{self.port} ({exc}); set "
-                f"{ENV_STORE_PORT} to a free port, the same on every rank"
-            ) from exc
-
-    def set(self, key: str, value: bytes) -> None:
-        # TCPStore takes bytes at run time (its stub says str); a str would be UTF-8 encoded.
-        self._store.set(key, value)  # type: ignore[arg-type]
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._store.check(keys))
-
-    def get(self, key: str) -> bytes:
-        try:
-            return bytes(self._store.get(key))
-        except RuntimeError as exc:
-            raise PeerTimeout(
-                f"store key {key!r} did not appear within {self._timeout:g} s on "
-                f"127.0.0.1:{self.port}"
-            ) from exc
 
 
 def apply_single_node_defaults(window_bytes: int) -> dict[str, str]:

@@ -1,6 +1,6 @@
 # Triton kernels take untyped compile-time arguments:
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
-"""The device pack (:mod:`afd_protocol.device_pack`) as two Triton launches.
+"""The device pack (:mod:`afd_protocol.window.kernels`) as two Triton launches.
 
 ``_pack_rows_kernel``: one program per tile of wire positions and columns finds each row's
 FFN rank from the segment bounds (on the device), and copies the source token's hidden
@@ -9,7 +9,7 @@ destination in one launch -- plus the row's source token (first column tile only
 
 ``_pack_headers_kernel``: one program per FFN rank completes its header: ROUTED_ROWS from
 the segment bounds, the rank's expert counts, and the checksum over all words, in int64
-and reduced modulo ``2**32`` exactly as :func:`afd_protocol.header.checksum` does.
+and reduced modulo ``2**32`` exactly as :func:`afd_protocol.core.header.checksum` does.
 
 Destinations are passed as tables of raw addresses (peer windows are separate mappings
 with no common base), built once per set of views and cached.
@@ -20,9 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from afd_protocol import HEADER_FIXED_WORDS, PackInputs, Word
-from afd_protocol.header import CHECKSUM_SALT
-from afd_protocol.staging import constant_index
+from afd_protocol import CHECKSUM_SALT, HEADER_FIXED_WORDS, Word, constant_index
+from afd_protocol.window import PackInputs
 
 ROWS = 4
 BLOCK_H = 1024
@@ -99,7 +98,7 @@ def _pack_headers_kernel(
 
 
 def triton_device_pack(inputs: PackInputs) -> None:
-    """:data:`afd_protocol.DevicePack` on a CUDA device, enqueued on the current stream."""
+    """:data:`afd_protocol.window.DevicePack` on a CUDA device, on the current stream."""
     plan = inputs.plan
     hidden = inputs.hidden.contiguous()
     device = hidden.device

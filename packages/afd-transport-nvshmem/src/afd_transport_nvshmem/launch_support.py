@@ -1,19 +1,23 @@
-"""A transport factory for :func:`afd_protocol.host.launch`: one GPU per rank, NVSHMEM
+"""A transport factory for :func:`afd_protocol.launch.launch`: one GPU per rank, NVSHMEM
 bootstrapped through the launcher's private rendezvous directory (no TCP port)."""
 
 from __future__ import annotations
 
-import os
-
-from afd_protocol import Role, Transport, WindowLayout
-from afd_protocol.host.rendezvous import DirectoryStore
-from afd_transport_nvshmem.transport import NvshmemTransport
+from afd_protocol import DirectoryStore, Role, WindowLayout
+from afd_transport_nvshmem.transport import NvshmemOptions, NvshmemTransport
 
 
 def nvshmem_transport(
-    window: WindowLayout, role: Role, rank: int, rendezvous: str, connect_timeout: float
-) -> Transport:
-    """Open rank ``rank``'s NVSHMEM transport; ``AFD_NVSHMEM_WAIT`` picks device/host waits."""
+    window: WindowLayout,
+    role: Role,
+    rank: int,
+    rendezvous: str,
+    connect_timeout: float,
+    options: NvshmemOptions | None = None,
+) -> NvshmemTransport:
+    """Open rank ``rank``'s NVSHMEM transport (other ``options``: bind them with
+    ``functools.partial(nvshmem_transport, options=NvshmemOptions(wait="host"))``)."""
     store = DirectoryStore(rendezvous, timeout=connect_timeout)
-    wait = os.environ.get("AFD_NVSHMEM_WAIT", "device")
-    return NvshmemTransport(window, role, rank, store, wait=wait, connect_timeout=connect_timeout)
+    return NvshmemTransport(
+        window, role, rank, store, options=options, connect_timeout=connect_timeout
+    )

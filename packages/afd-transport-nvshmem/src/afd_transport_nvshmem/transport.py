@@ -20,66 +20,65 @@ payload and flag, since these orderings do not extend over a network.
 
 Waits
 -----
-``wait="device"`` (the default): a Triton program polls the flags on the GPU and reports
-the flag values, and the header of every slot whose flag changed, to pinned host memory
-(see :mod:`afd_transport_nvshmem.device_wait`); :meth:`NvshmemTransport.read_header` hands
-those headers to the endpoints, so an arrival costs no device-to-host copy. The wait is a
-replay of a captured CUDA graph (``wait_graph=False``: a Triton launch per wait).
-``wait="host"``: one device-to-host copy of the watched flags per check, the fallback and
-the baseline. Both check the watched peers' abort words and, between poll slices, that the
-peer processes are alive; both raise :class:`PeerTimeout` after the timeout.
+``NvshmemOptions(wait="device")`` (the default): a Triton program polls the flags on the
+GPU and reports the flag values, and the header of every slot whose flag changed, to
+pinned host memory (see :mod:`afd_transport_nvshmem.device_wait`); ``wait_any`` hands
+those headers to the endpoints in its :class:`~afd_protocol.window.Arrivals`, so an
+arrival costs no device-to-host copy. The wait is a replay of a captured CUDA graph
+(``wait_graph=False``: a Triton launch per wait). ``wait="host"``: one device-to-host copy
+of the watched flags per check, the fallback and the baseline. Both check the watched
+peers' abort words and, between poll slices, that the peer processes are alive; both raise
+:class:`PeerTimeout` after the timeout.
 
-Kernels the endpoints use
--------------------------
-:meth:`NvshmemTransport.fused_combine` (one Triton pass per layer's combine) and
-:meth:`NvshmemTransport.device_pack` (the dispatch written from a device-side plan, used
-when the attention endpoint opts in).
+Endpoints
+---------
+The attention endpoint this transport makes is the window layer's
+:class:`~afd_protocol.window.KernelAttentionEndpoint` with the Triton kernels
+(:mod:`afd_transport_nvshmem.kernels`): a fused combine, and a device pack on request.
 
-Teardown
---------
-``nvshmem_free`` and finalisation are collective: they run only when every rank reached
-``close()`` (checked through the store with a timeout). After a failure a rank skips
-them rather than hang on a dead peer; the process exit reclaims the GPU memory.
+Start-up and teardown
+---------------------
+Through :class:`~afd_protocol.Rendezvous`: every rank publishes its geometry, pid and GPU,
+checks every other rank's (the geometry, and one GPU per rank), and waits at a ``ready``
+barrier before the collective NVSHMEM start-up, so a mismatch fails every rank at once
+instead of leaving peers inside NVSHMEM. ``nvshmem_free`` and finalisation are collective:
+they run only when every rank reached ``close()`` (a ``close`` barrier that ends when a
+peer fails or dies). After a failure a rank skips them rather than hang on a dead peer;
+the process exit reclaims the GPU memory.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import json
-import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from afd_protocol import (
+    EndpointOptions,
+    InvalidArgument,
+    KeyValueStore,
     PeerAborted,
     PeerTimeout,
+    Rendezvous,
     Role,
+    TcpStore,
     Topology,
     TopologyError,
-    Transport,
     WindowLayout,
+    constant_index,
 )
-from afd_protocol.device_pack import DevicePack
-from afd_protocol.fused import FusedCombine
-from afd_protocol.host.rendezvous import (
-    check_peers_alive,
-    process_alive,
-    process_start_time,
+from afd_protocol.window import (
+    Arrivals,
+    KernelAttentionEndpoint,
+    WindowTransport,
+    abort_words,
+    flag_words,
 )
-from afd_protocol.layout import check_same_geometry
-from afd_protocol.staging import constant_index
-from afd_protocol.views import abort_words, flag_words
 from afd_transport_nvshmem.binding import NvshmemLibrary
-from afd_transport_nvshmem.bootstrap import (
-    KeyValueStore,
-    TcpStore,
-    apply_single_node_defaults,
-    bootstrap,
-)
+from afd_transport_nvshmem.bootstrap import apply_single_node_defaults, bootstrap
 from afd_transport_nvshmem.cuda_memory import (
     device_bytes,
     stream_memops_available,
@@ -89,7 +88,7 @@ from afd_transport_nvshmem.cuda_memory import (
 if TYPE_CHECKING:
     from afd_transport_nvshmem.device_wait import DeviceWaiter
 
-WAIT_MODES = ("device", "host")
+WaitMode = Literal["device", "host"]
 _ABANDONED_WAITERS: list[DeviceWaiter] = []
 """Device waiters whose kernel may still write their pinned buffers (see ``_abandon``)."""
 POLL_SLICE = 20000
@@ -124,7 +123,22 @@ def _describe(topology: Topology, world: int) -> tuple[str, int]:
     return role.value, rank
 
 
-class NvshmemTransport(Transport):
+@dataclass(frozen=True)
+class NvshmemOptions:
+    """How an :class:`NvshmemTransport` waits, fixed when it is opened."""
+
+    wait: WaitMode = "device"
+    """``device``: a Triton poll on the GPU reporting flags and headers to pinned memory;
+    ``host``: one device-to-host copy of the watched flags per check (the baseline)."""
+    wait_graph: bool = True
+    """Device waits replay a captured CUDA graph (False: one Triton launch per wait)."""
+
+    def __post_init__(self) -> None:
+        if self.wait not in ("device", "host"):
+            raise InvalidArgument(f"wait must be 'device' or 'host', got {self.wait!r}")
+
+
+class NvshmemTransport(WindowTransport):
     """One rank's NVSHMEM windows; see the module docstring."""
 
     def __init__(
@@ -135,68 +149,50 @@ class NvshmemTransport(Transport):
         store: KeyValueStore | None = None,
         *,
         device: int | None = None,
-        wait: str = "device",
-        wait_graph: bool = True,
+        options: NvshmemOptions | None = None,
         connect_timeout: float = 60.0,
         liveness_interval: float = 0.05,
         library: NvshmemLibrary | None = None,
     ) -> None:
         super().__init__(window, Role(role), rank)
-        if wait not in WAIT_MODES:
-            raise TopologyError(f"wait must be one of {WAIT_MODES}, got {wait!r}")
+        self.options = options or NvshmemOptions()
         if not torch.cuda.is_available():
             raise TopologyError("the NVSHMEM transport needs a CUDA device; none is visible")
         topo = self.topology
-        self._world = topo.world_rank(self.role, rank)
+        world = topo.world_rank(self.role, rank)
         count = torch.cuda.device_count()
-        index = self._world % count if device is None else device
+        index = world % count if device is None else device
         self._device = torch.device("cuda", index)
         torch.cuda.set_device(self._device)
         torch.empty(1, device=self._device)  # create the context NVSHMEM will use
         self._name = f"{self.role.value} rank {rank}"
-        self._wait_mode = wait
         if store is None:
-            store = TcpStore(self._world, topo.world_size, connect_timeout)
-        self._store = store
-        self._liveness_interval = liveness_interval
+            store = TcpStore(world, topo.world_size, connect_timeout)
         self._closed = False
         self._aborted = False
         self._heap_address = 0
         self.environment = apply_single_node_defaults(window.total_bytes)
         self._lib = library or NvshmemLibrary()
+        rdv = Rendezvous(store, topo, self.role, rank, liveness_interval=liveness_interval)
+        self._rendezvous = rdv
+        everyone = list(range(topo.world_size))
+        others = [w for w in everyone if w != world]
+        peer_role = self.role.opposite
+        self._peer_world = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
+        self._liveness_interval = liveness_interval
 
-        # Agree on the geometry with *every* rank before any collective call, so that a
-        # mismatch fails every rank at once instead of leaving peers inside NVSHMEM.
-        me = {
-            "geometry": window.describe(),
-            "pid": os.getpid(),
-            "start_time": process_start_time(os.getpid()),
-            "gpu": str(torch.cuda.get_device_properties(self._device).uuid),
-        }
-        store.set(f"afd/rank/{self._world}", json.dumps(me).encode())
-        self._pids: dict[int, tuple[int, int]] = {}
-        gpus: dict[int, str] = {}
+        # Agree on the geometry and the GPUs with *every* rank before any collective call,
+        # so that a mismatch fails every rank at once instead of leaving peers in NVSHMEM.
+        gpu = str(torch.cuda.get_device_properties(self._device).uuid)
+        records = rdv.join(window.describe(), others, connect_timeout, gpu=gpu)
         try:
-            for w in range(topo.world_size):
-                info = json.loads(store.get(f"afd/rank/{w}"))
-                self._pids[w] = (int(info["pid"]), int(info["start_time"]))
-                gpus[w] = info["gpu"]
-                if w == self._world:
-                    continue
-                role, r = topo.role_of(w)
-                check_same_geometry(
-                    window.describe(), info["geometry"], peer=f"{role.value} rank {r}"
-                )
+            gpus = {w: str(r.extra["gpu"]) for w, r in records.items()} | {world: gpu}
             check_one_rank_per_gpu(gpus, topo, count)
         except TopologyError as exc:
-            store.set(f"afd/failed/{self._world}", str(exc).encode())
+            rdv.fail(str(exc))
             raise
-        store.set(f"afd/ready/{self._world}", b"1")
-        self._wait_for_all("afd/ready", deadline=time.monotonic() + connect_timeout)
-        bootstrap(self._lib, store, self._world, topo.world_size, "afd/nvshmem/uid")
-        peer_role = self.role.opposite
-        peers = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
-        self._peer_pids = [self._pids[w] for w in peers]
+        rdv.barrier("ready", others, connect_timeout)
+        bootstrap(self._lib, store, world, topo.world_size, "afd/nvshmem/uid")
 
         self._heap_address = self._lib.malloc(window.total_bytes)
         self._local = device_bytes(self._heap_address, window.total_bytes, self._device)
@@ -204,7 +200,7 @@ class NvshmemTransport(Transport):
         torch.cuda.synchronize(self._device)
         self._lib.barrier_all()  # every window is zeroed before anyone writes
         self._peer_windows: list[torch.Tensor] = []
-        for w in peers:
+        for w in self._peer_world:
             address = self._lib.peer_address(self._heap_address, w)
             if address == 0:
                 raise TopologyError(
@@ -218,48 +214,28 @@ class NvshmemTransport(Transport):
         self._peer_flags = [flag_words(t, window) for t in self._peer_windows]
         self._peer_aborts = [abort_words(t, window) for t in self._peer_windows]
         self._memops = stream_memops_available()
-        self._waiter: DeviceWaiter | None = None
-        self._wait_graph = wait_graph
-        self._captured: dict[int, tuple[int, int]] = {}
-        self.capture_headers = True
-        """Use the headers device waits capture (False: copy each one, for comparison)."""
-        self.header_reads: collections.Counter[str] = collections.Counter()
-        """How arrived headers reached the host: ``captured`` by the device wait (no copy)
-        or ``copied`` out of the window (one device-to-host copy each)."""
-        self.wait_mode = wait
         self._poll_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
         self._abort_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
+        self._waiter: DeviceWaiter | None = None
+        if self.options.wait == "device":
+            self._waiter = self._new_waiter()
 
-    # ---- the Transport interface ----------------------------------------------------
+    # ---- the WindowTransport interface ----------------------------------------------------
 
     @property
     def device(self) -> torch.device:
         return self._device
 
     @property
-    def wait_mode(self) -> str:
-        """``device`` (Triton poll reporting to pinned memory) or ``host`` (D2H per poll)."""
-        return self._wait_mode
+    def wait_mode(self) -> WaitMode:
+        """How waits run now: as configured, or ``host`` after a device wait was abandoned."""
+        return "device" if self._waiter is not None else "host"
 
-    @wait_mode.setter
-    def wait_mode(self, mode: str) -> None:
-        if mode not in WAIT_MODES:
-            raise TopologyError(f"wait must be one of {WAIT_MODES}, got {mode!r}")
-        if mode == "device" and self._waiter is None:
-            self._waiter = self._new_waiter()
-        self._wait_mode = mode
+    def attention_endpoint(self, options: EndpointOptions | None = None) -> KernelAttentionEndpoint:
+        """The kernel attention endpoint with the Triton kernels (fused combine, device pack)."""
+        from afd_transport_nvshmem.kernels import triton_kernels
 
-    @property
-    def wait_graph(self) -> bool:
-        """Device waits replay a captured CUDA graph (False: one Triton launch per wait)."""
-        return self._wait_graph
-
-    @wait_graph.setter
-    def wait_graph(self, enabled: bool) -> None:
-        if enabled != self._wait_graph:
-            self._wait_graph = enabled
-            if self._waiter is not None:
-                self._waiter = self._new_waiter()
+        return KernelAttentionEndpoint(self, options, triton_kernels())
 
     def _new_waiter(self) -> DeviceWaiter:
         from afd_transport_nvshmem.device_wait import DeviceWaiter
@@ -278,17 +254,17 @@ class NvshmemTransport(Transport):
             torch.tensor(offsets, dtype=torch.int64, device=self._device),
             window.slot.header_words,
             max_peers=self.num_peers,
-            use_graph=self._wait_graph,
+            use_graph=self.options.wait_graph,
         )
 
     def local_window(self) -> torch.Tensor:
         return self._local
 
     def peer_window(self, peer: int) -> torch.Tensor:
-        return self._peer_windows[self._check_peer(peer)]
+        return self._peer_windows[self.check_peer(peer)]
 
     def publish(self, peer: int, flag_index: int, value: int) -> None:
-        flags = self._peer_flags[self._check_peer(peer)]
+        flags = self._peer_flags[self.check_peer(peer)]
         if self._memops:
             address = flags.data_ptr() + 4 * flag_index
             stream_write_value32(address, value, torch.cuda.current_stream(self._device))
@@ -301,45 +277,22 @@ class NvshmemTransport(Transport):
         last_seen: Sequence[int],
         timeout: float,
         peers: Sequence[int],
-    ) -> list[int]:
+    ) -> Arrivals:
         indices, last, watched = tuple(flag_indices), tuple(last_seen), tuple(peers)
-        self._captured = {}
         deadline = time.monotonic() + timeout
-        if self._wait_mode == "device":
-            return self._wait_device(indices, last, watched, deadline, timeout)
+        if self._waiter is not None:
+            return self._wait_device(self._waiter, indices, last, watched, deadline, timeout)
         return self._wait_host(indices, last, watched, deadline, timeout)
-
-    def device_pack(self) -> DevicePack | None:
-        """The Triton device pack (:mod:`afd_transport_nvshmem.device_pack`)."""
-        from afd_transport_nvshmem.device_pack import triton_device_pack
-
-        return triton_device_pack
-
-    def fused_combine(self) -> FusedCombine | None:
-        """The Triton fused combine (:mod:`afd_transport_nvshmem.fused_combine`)."""
-        from afd_transport_nvshmem.fused_combine import triton_fused_combine
-
-        return triton_fused_combine
-
-    def read_header(self, flag_index: int, value: int, header: torch.Tensor) -> torch.Tensor:
-        """The header the last device wait captured with this flag, else a copy from the window."""
-        captured = self._captured.get(flag_index) if self.capture_headers else None
-        if captured is not None and captured[0] == value and self._waiter is not None:
-            self.header_reads["captured"] += 1
-            return self._waiter.header(captured[1])
-        self.header_reads["copied"] += 1
-        return super().read_header(flag_index, value, header)
 
     def _wait_device(
         self,
+        waiter: DeviceWaiter,
         indices: tuple[int, ...],
         last: tuple[int, ...],
         peers: tuple[int, ...],
         deadline: float,
         timeout: float,
-    ) -> list[int]:
-        waiter = self._waiter
-        assert waiter is not None
+    ) -> Arrivals:
         next_liveness = time.monotonic() + self._liveness_interval
         while True:
             waiter.launch(indices, last, peers, POLL_SLICE)
@@ -359,14 +312,14 @@ class NvshmemTransport(Transport):
                 raise
             if status == 1:
                 values = waiter.values(len(indices))
-                self._captured = {
-                    index: (value, position)
+                headers = {
+                    index: waiter.header(position)
                     for position, (index, value, old) in enumerate(
                         zip(indices, values, last, strict=True)
                     )
                     if value != old
                 }
-                return values
+                return Arrivals(values, headers)
             if status == 3:
                 self._raise_aborted(peers)
             if time.monotonic() >= deadline:
@@ -378,7 +331,7 @@ class NvshmemTransport(Transport):
         are kept alive for the process's lifetime rather than handed back to the allocator
         for reuse, and this transport falls back to host waits."""
         _ABANDONED_WAITERS.append(waiter)
-        self._waiter, self._wait_mode = None, "host"
+        self._waiter = None
 
     def _wait_host(
         self,
@@ -387,7 +340,7 @@ class NvshmemTransport(Transport):
         peers: tuple[int, ...],
         deadline: float,
         timeout: float,
-    ) -> list[int]:
+    ) -> Arrivals:
         index = constant_index(indices, self._device)
         peer_index = constant_index(peers or (0,), self._device)
         expected = list(last)
@@ -396,7 +349,7 @@ class NvshmemTransport(Transport):
             while True:
                 current = self._flags.index_select(0, index).tolist()  # one D2H per check
                 if current != expected:
-                    return [int(v) for v in current]
+                    return Arrivals([int(v) for v in current])
                 if peers and any(self._aborts.index_select(0, peer_index).tolist()):
                     self._raise_aborted(peers)
                 now = time.monotonic()
@@ -415,50 +368,19 @@ class NvshmemTransport(Transport):
         )
 
     def _check_alive(self, peers: Sequence[int]) -> None:
-        check_peers_alive(self._name, self.role.opposite.value, peers, self._peer_pids)
-
-    def _wait_for_all(self, prefix: str, deadline: float | None) -> bool:
-        """Wait until every rank set ``{prefix}/{rank}``; False if a rank failed or died.
-
-        A rank that published ``afd/failed/{rank}`` or whose process is gone ends the wait
-        at once; ``deadline`` (None: none) bounds a wait on ranks that are alive but slow.
-        """
-        world = range(self.topology.world_size)
-        keys = [f"{prefix}/{w}" for w in world]
-        failed = [f"afd/failed/{w}" for w in world]
-        next_check = 0.0
-        while not self._store.check(keys):
-            now = time.monotonic()
-            if now >= next_check:
-                gone = [
-                    w
-                    for w in world
-                    if self._store.check([failed[w]]) or not process_alive(*self._pids[w])
-                ]
-                if gone:
-                    if prefix == "afd/ready":
-                        raise PeerAborted(
-                            f"{self._name}: world rank(s) {gone} failed or exited during start-up"
-                        )
-                    return False
-                next_check = now + self._liveness_interval
-            if deadline is not None and now >= deadline:
-                raise PeerTimeout(f"{self._name}: not every rank reached {prefix!r} in time")
-            time.sleep(0.005)
-        return True
+        self._rendezvous.check_alive([self._peer_world[p] for p in peers])
 
     def abort(self) -> None:
         if self._closed or self._aborted:
             return
         self._aborted = True
-        with torch.cuda.stream(self._abort_stream):  # not behind a stuck compute stream
-            for aborts in self._peer_aborts:
-                aborts[self.rank : self.rank + 1].fill_(1)
-        self._abort_stream.synchronize()
-        # Peers waiting in close() stop waiting for this rank. The store may be gone
-        # already; the abort words went out above either way.
-        with contextlib.suppress(Exception):
-            self._store.set(f"afd/failed/{self._world}", b"aborted")
+        if self._heap_address:
+            with torch.cuda.stream(self._abort_stream):  # not behind a stuck compute stream
+                for aborts in self._peer_aborts:
+                    aborts[self.rank : self.rank + 1].fill_(1)
+            self._abort_stream.synchronize()
+        # Peers waiting at a barrier (close) stop waiting for this rank.
+        self._rendezvous.fail("aborted")
 
     def close(self) -> None:
         """Collective teardown when every rank gets here cleanly; otherwise leave it to exit.
@@ -472,8 +394,10 @@ class NvshmemTransport(Transport):
         self._closed = True
         if self._aborted or self._heap_address == 0:
             return
-        self._store.set(f"afd/close/{self._world}", b"1")
-        if not self._wait_for_all("afd/close", deadline=None):
+        others = [w for w in range(self.topology.world_size) if w != self._rendezvous.world_rank]
+        try:
+            self._rendezvous.barrier("close", others, timeout=None)
+        except PeerAborted:
             return
         torch.cuda.synchronize(self._device)
         for name in ("_local", "_flags", "_aborts", "_peer_windows", "_peer_flags", "_peer_aborts"):
@@ -483,11 +407,3 @@ class NvshmemTransport(Transport):
         self._lib.free(self._heap_address)
         self._heap_address = 0
         self._lib.finalize()
-
-    def _check_peer(self, peer: int) -> int:
-        if not 0 <= peer < self.num_peers:
-            raise TopologyError(
-                f"{self._name}: peer {peer} is outside [0, {self.num_peers}) "
-                f"{self.role.opposite.value} ranks"
-            )
-        return peer

@@ -24,9 +24,9 @@ def add_parser(sub: Any) -> None:
     )
     transport.add_argument(
         "--backend",
-        choices=["host", "nvshmem"],
-        default="host",
-        help="transport to measure: host (shared memory) or nvshmem (two GPUs)",
+        choices=["shm", "nvshmem"],
+        default="shm",
+        help="transport to measure: shm (shared memory between processes) or nvshmem (two GPUs)",
     )
     transport.add_argument("--iterations", type=int, default=2000, help="latency round trips")
     transport.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
@@ -67,9 +67,9 @@ def run_transport(args: argparse.Namespace) -> int:
 
         report = nvshmem_transport.run(args)
     else:
-        from afd_tools.bench import host_transport
+        from afd_tools.bench import shm_transport
 
-        report = host_transport.run(args)
+        report = shm_transport.run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")

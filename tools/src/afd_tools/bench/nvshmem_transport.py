@@ -4,13 +4,19 @@ Side by side in one run:
 
 * bandwidth -- one-sided ``copy_`` into the peer's mapped window (64 KB .. 256 MB) beside the
   floor: the same ``copy_`` into ordinary memory of the other GPU mapped by CUDA peer access;
-* arrival latency, one way (round trip / 2) -- host-polled ``wait_any`` (one D2H copy per
-  check), device ``wait_any`` (a Triton poll reporting to pinned host memory, replayed from
-  a CUDA graph, and the same kernel launched through Triton each time), stream
-  memory operations (``cuStreamWaitValue32``/``cuStreamWriteValue32``, no host in the
-  loop) and a persistent Triton ping-pong kernel (no host in the loop);
+* arrival latency, one way (round trip / 2) -- what a host caller of ``wait_any`` sees
+  with a host poll (one D2H copy per check), with the device poll (a Triton poll
+  reporting to pinned host memory, replayed from a CUDA graph, and the same kernel
+  launched through Triton each time); and with no host in the loop, the raw device-side
+  figures: stream memory operations (``cuStreamWaitValue32``/``cuStreamWriteValue32``) and
+  a persistent Triton ping-pong kernel;
 * dispatch + combine per layer, 1 attention x 1 FFN, DeepSeek-V2-Lite shapes (hidden
-  2048 bf16, 64 experts top-6), identity FFN, with device and host waits.
+  2048 bf16, 64 experts top-6), identity FFN: the endpoint options side by side (blocks of
+  rounds interleaved), and host-polled waits as a separate launch.
+
+Wait modes are transport options, fixed when a transport opens, so each is its own launch
+(two processes, NVSHMEM started afresh); endpoint options are fixed per endpoint, so the
+per-layer modes close one endpoint and open the next on the same transport.
 """
 
 from __future__ import annotations
@@ -23,15 +29,9 @@ from typing import Any
 
 import torch
 
-from afd_protocol import (
-    AttentionEndpoint,
-    Role,
-    SlotLayout,
-    Topology,
-    Transport,
-)
-from afd_protocol.host import launch
-from afd_protocol.host.launcher import RankSpec
+from afd_protocol import AttentionEndpoint, Role, SlotLayout, Topology
+from afd_protocol.launch import RankSpec, launch
+from afd_protocol.window import WindowOptions, WindowTransport
 from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes
@@ -41,7 +41,7 @@ LAYER_TOKENS = [1024, 4096, 8192, 16384]
 HIDDEN, EXPERTS, TOPK = 2048, 64, 6
 
 
-def _log(t: Transport, message: str) -> None:
+def _log(t: WindowTransport, message: str) -> None:
     print(
         f"[{time.strftime('%H:%M:%S')}] {t.role.value} {t.rank}: {message}",
         file=sys.stderr,
@@ -73,7 +73,7 @@ _ROUNDS: dict[int, int] = {}
 so both know every expected value without reading the flag (which would race)."""
 
 
-def _pingpong_transport(t: Transport, ring: int, iterations: int) -> list[float]:
+def _pingpong_transport(t: WindowTransport, ring: int, iterations: int) -> list[float]:
     base = _ROUNDS.get(ring, 0)
     _ROUNDS[ring] = base + iterations
     samples = flag_pingpong(t, ring, base + 1, iterations)
@@ -95,7 +95,22 @@ def _enable_peer_access(device: torch.device, other: torch.device) -> bool:
     return int(err) in (0, int(cudart.cudaError_t.cudaErrorPeerAccessAlreadyEnabled))
 
 
-def _latency_and_bandwidth(t: Transport, iterations: int, repeats: int) -> dict[str, Any]:
+WAIT_VARIANTS: dict[str, dict[str, Any]] = {
+    "device": {"wait": "device", "wait_graph": True},
+    "device_launch": {"wait": "device", "wait_graph": False},
+    "host": {"wait": "host", "wait_graph": True},
+}
+"""``wait_any`` variants, each a transport option set (so each is its own launch)."""
+
+
+def _wait_any_latency(t: WindowTransport, iterations: int) -> float:
+    """One way (round trip / 2, median, us) of a flag ping-pong through ``wait_any``, as the
+    attention side times it (the FFN side only echoes: NaN there)."""
+    samples = _pingpong_transport(t, 0, iterations)[iterations // 10 :]
+    return statistics.median(samples) / 2 * 1e6 if samples else float("nan")
+
+
+def _latency_and_bandwidth(t: WindowTransport, iterations: int, repeats: int) -> dict[str, Any]:
     from afd_transport_nvshmem.cuda_memory import (
         device_bytes,
         stream_memops_available,
@@ -104,16 +119,8 @@ def _latency_and_bandwidth(t: Transport, iterations: int, repeats: int) -> dict[
     )
     from afd_transport_nvshmem.device_wait import pingpong
 
-    report: dict[str, Any] = {}
-    for ring, mode, graph in ((0, "host", True), (1, "device", True), (4, "device", False)):
-        name = mode if graph else f"{mode}_launch"
-        _log(t, f"wait_any ping-pong, {name} waits")
-        t.wait_mode = mode  # type: ignore[attr-defined]
-        t.wait_graph = graph  # type: ignore[attr-defined]
-        samples = _pingpong_transport(t, ring, iterations)[iterations // 10 :]
-        if samples:
-            report[f"wait_any_{name}_us"] = statistics.median(samples) / 2 * 1e6
-    t.wait_graph = True  # type: ignore[attr-defined]
+    _log(t, "wait_any ping-pong, device waits")
+    report: dict[str, Any] = {"wait_any_device_us": _wait_any_latency(t, iterations)}
     window = t.window
     local_flags = t.local_window()[window.flags_offset :].view(torch.int32)
     peer_flags = t.peer_window(0)[window.flags_offset :].view(torch.int32)
@@ -190,7 +197,7 @@ def _latency_and_bandwidth(t: Transport, iterations: int, repeats: int) -> dict[
 
 
 def _gather_into_peer(
-    t: Transport, peer: torch.Tensor, rows_at: int, repeats: int
+    t: WindowTransport, peer: torch.Tensor, rows_at: int, repeats: int
 ) -> dict[str, dict[str, float]]:
     """Dispatch's gather (rows in wire order, ``index_select`` into the peer window) beside
     a plain ``copy_`` of the same bytes, at 1K..16K tokens."""
@@ -217,65 +224,47 @@ def _gather_into_peer(
 
 
 LAYER_MODES = {
-    "device": ("device", True, True, False),
-    "device-pack": ("device", True, True, True),
-    "torch-combine": ("device", True, False, False),
-    "copied-header": ("device", False, True, False),
-    "host": ("host", False, False, False),
+    "device": WindowOptions(timeout=120.0),
+    "device-pack": WindowOptions(timeout=120.0, device_pack=True),
+    "torch-combine": WindowOptions(timeout=120.0, combine="portable"),
+    "copied-header": WindowOptions(timeout=120.0, capture_headers=False),
 }
-"""Per-layer variants as (wait, header capture, fused combine, device pack): the defaults;
-the defaults plus the dispatch packed on the device (opt-in); the portable per-FFN-rank
-combine instead of the fused kernel; each header copied out of the window instead of
-captured by the wait; host-polled waits with none of these (what a straightforward
-implementation does)."""
+"""Per-layer endpoint options side by side: the defaults (device wait with the header
+captured with the flag, fused combine, counts read to the host once); the defaults plus the
+dispatch packed on the device (opt-in); the portable per-FFN-rank combine instead of the
+fused kernel; each header copied out of the window instead of captured by the wait."""
+HOST_MODE = WindowOptions(timeout=120.0, combine="portable", capture_headers=False)
+"""The straightforward implementation, measured in a launch of its own because host polls
+are a transport option: host-polled waits, copied headers, the portable combine."""
+ROUNDS_PER_BLOCK = 5
+"""Timed rounds per endpoint before the next mode's turn (after one warm-up round)."""
 
 
 def _layer_attention(
-    t: Transport, tokens: list[int], repeats: int, profile: str | None
+    t: WindowTransport,
+    tokens: list[int],
+    repeats: int,
+    profile: str | None,
+    modes: dict[str, WindowOptions],
 ) -> dict[str, float]:
-    """Time dispatch + combine per mode, the modes interleaved round by round (side by side:
-    clock and thermal drift hit every mode alike)."""
-    endpoint = AttentionEndpoint(t, timeout=120.0)
+    """Time dispatch + combine per mode: each mode's endpoint in turn for a block of rounds,
+    the blocks interleaved so that clock and thermal drift hit every mode alike."""
     gen = torch.Generator(device=t.device).manual_seed(0)
     results = {}
-
-    def use(mode: str) -> None:
-        wait, capture, fused, pack = LAYER_MODES[mode]
-        t.wait_mode = wait  # type: ignore[attr-defined]
-        t.capture_headers = capture  # type: ignore[attr-defined]
-        endpoint.fused_combine = fused
-        endpoint.device_pack = pack
-
+    blocks = max(1, -(-repeats // ROUNDS_PER_BLOCK))
     for n in tokens:
         x = torch.randn(n, HIDDEN, device=t.device, generator=gen).to(torch.bfloat16)
         ids = torch.rand(n, EXPERTS, device=t.device, generator=gen).topk(TOPK, -1).indices
         w = torch.rand(n, TOPK, device=t.device, generator=gen)
-        for mode in LAYER_MODES:
-            use(mode)
-            for _ in range(2):
-                endpoint.combine(endpoint.dispatch(0, x, ids, w))
-        torch.cuda.synchronize(t.device)
-        samples: dict[str, list[tuple[float, ...]]] = {m: [] for m in LAYER_MODES}
-        for _ in range(repeats):
-            for mode in LAYER_MODES:
-                use(mode)
-                marks = [_event() for _ in range(3)]
-                start = time.perf_counter()
-                marks[0].record()
-                handle = endpoint.dispatch(0, x, ids, w)
-                marks[1].record()
-                issued = time.perf_counter()
-                out = endpoint.combine(handle)
-                marks[2].record()
-                combined = time.perf_counter()
+        samples: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
+        for _ in range(blocks):
+            for mode, options in modes.items():
+                endpoint = t.attention_endpoint(options)
+                endpoint.combine(endpoint.dispatch(0, x, ids, w))  # warm-up: buffers, compiles
                 torch.cuda.synchronize(t.device)
-                total = time.perf_counter() - start
-                gpu_dispatch = marks[0].elapsed_time(marks[1]) / 1e3
-                gpu_rest = marks[1].elapsed_time(marks[2]) / 1e3
-                samples[mode].append(
-                    (total, issued - start, combined - issued, gpu_dispatch, gpu_rest)
-                )
-                del out
+                for _ in range(ROUNDS_PER_BLOCK):
+                    samples[mode].append(_timed_round(endpoint, x, ids, w))
+                endpoint.close()
         for mode, rows in samples.items():
             columns = list(zip(*rows, strict=True))
             names = (
@@ -287,11 +276,47 @@ def _layer_attention(
             )
             for name, column in zip(names, columns, strict=True):
                 results[f"{mode}/{n}{name}"] = statistics.median(column)
-        if profile:
-            use("device")
+                if not name:
+                    results[f"{mode}/{n}/p10"] = _quantile(column, 0.1)
+                    results[f"{mode}/{n}/p90"] = _quantile(column, 0.9)
+        if profile and "device" in modes:
+            endpoint = t.attention_endpoint(modes["device"])
             _profile_layer(endpoint, x, ids, w, f"{profile}/attention.txt")
+            endpoint.close()
+    endpoint = t.attention_endpoint(next(iter(modes.values())))
     endpoint.announce_shutdown()
+    endpoint.close()
     return results
+
+
+def _quantile(values: Any, q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def _timed_round(
+    endpoint: AttentionEndpoint, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+) -> tuple[float, ...]:
+    """(total, dispatch() host, combine() host, dispatch GPU, reply+combine GPU) seconds."""
+    marks = [_event() for _ in range(3)]
+    start = time.perf_counter()
+    marks[0].record()
+    handle = endpoint.dispatch(0, x, ids, w)
+    marks[1].record()
+    issued = time.perf_counter()
+    out = endpoint.combine(handle)
+    marks[2].record()
+    combined = time.perf_counter()
+    torch.cuda.synchronize(x.device)
+    total = time.perf_counter() - start
+    del out
+    return (
+        total,
+        issued - start,
+        combined - issued,
+        marks[0].elapsed_time(marks[1]) / 1e3,
+        marks[1].elapsed_time(marks[2]) / 1e3,
+    )
 
 
 def _profile_layer(endpoint: AttentionEndpoint, x: Any, ids: Any, w: Any, path: str) -> None:
@@ -322,9 +347,25 @@ def _profile_layer(endpoint: AttentionEndpoint, x: Any, ids: Any, w: Any, path: 
         out.write(text.getvalue())
 
 
-def run(args: Any) -> dict[str, Any]:
-    from afd_transport_nvshmem.launch_support import nvshmem_transport
+LATENCY_LABELS = {
+    "wait_any_device_us": "endpoint wait_any, device poll (graph replay)",
+    "wait_any_device_launch_us": "endpoint wait_any, device poll (Triton launch)",
+    "wait_any_host_us": "endpoint wait_any, host poll (D2H per check)",
+    "stream_memops_us": "raw device: stream memory operations",
+    "triton_kernel_us": "raw device: persistent Triton kernel",
+}
+"""What each latency figure is: what an endpoint sees through ``wait_any`` (the host learns
+of the arrival), or a raw device-side ping-pong with no host in the loop."""
 
+
+def _factory(wait_variant: str) -> Any:
+    from afd_transport_nvshmem.launch_support import nvshmem_transport
+    from afd_transport_nvshmem.transport import NvshmemOptions
+
+    return partial(nvshmem_transport, options=NvshmemOptions(**WAIT_VARIANTS[wait_variant]))
+
+
+def run(args: Any) -> dict[str, Any]:
     if torch.cuda.device_count() < 2:
         raise SystemExit("afd bench transport --backend nvshmem needs two CUDA GPUs")
     report: dict[str, Any] = {
@@ -345,15 +386,24 @@ def run(args: Any) -> dict[str, Any]:
         )
         for role in Role
     ]
-    micro = launch(big, specs, timeout=600, transport_factory=nvshmem_transport)
+    micro = launch(big, specs, timeout=600, transport_factory=_factory("device"))
     attention = micro["attention rank 0"].value
-    report["latency_us"] = {k: v for k, v in attention.items() if k.endswith("_us")}
+    latency = {k: v for k, v in attention.items() if k.endswith("_us")}
+    tiny = SlotLayout(Topology(1, 1, 1), 64, 16, 1).window()
+    for variant in ("device_launch", "host"):
+        specs = [
+            RankSpec(role, 0, _wait_any_latency, {"iterations": args.iterations}) for role in Role
+        ]
+        result = launch(tiny, specs, timeout=600, transport_factory=_factory(variant))
+        latency[f"wait_any_{variant}_us"] = result["attention rank 0"].value
+    report["latency_us"] = {k: latency[k] for k in LATENCY_LABELS if k in latency}
     report["bandwidth"] = attention["bandwidth"]
     report["gather"] = attention["gather"]
     print(f"NVSHMEM transport on {report['gpu']} x2, torch {report['torch']}")
-    print("\narrival latency, one way (round trip / 2, median):")
+    print("\narrival latency, one way (round trip / 2, median): what an endpoint sees through")
+    print("wait_any (the host learns of the arrival), and raw device-side ping-pongs (no host):")
     for key, value in report["latency_us"].items():
-        print(f"  {key[:-3]:22s} {value:8.2f} us")
+        print(f"  {LATENCY_LABELS[key]:48s} {value:8.2f} us")
     print("\none-sided copy_ into the NVSHMEM peer window, beside the floor: the same copy_ into")
     print("cudaMalloc memory of the other GPU mapped peer to peer by CUDA (same run), and torch's")
     print("cross-device copy_ (copy engine) for reference:")
@@ -398,6 +448,7 @@ def run(args: Any) -> dict[str, Any]:
                 "tokens": tokens,
                 "repeats": args.repeats,
                 "profile": None if profile is None else str(profile),
+                "modes": LAYER_MODES,
             },
         ),
         RankSpec(
@@ -407,15 +458,32 @@ def run(args: Any) -> dict[str, Any]:
             {"timing": True, "profile": None if profile is None else f"{profile}/ffn.txt"},
         ),
     ]
-    per_layer = launch(layer, specs, timeout=600, transport_factory=nvshmem_transport)
-    times = per_layer["attention rank 0"].value
+    per_layer = launch(layer, specs, timeout=600, transport_factory=_factory("device"))
+    times = dict(per_layer["attention rank 0"].value)
     ffn = per_layer["ffn rank 0"].value
+    specs = [
+        RankSpec(
+            Role.ATTENTION,
+            0,
+            _layer_attention,
+            {
+                "tokens": tokens,
+                "repeats": args.repeats,
+                "profile": None,
+                "modes": {"host": HOST_MODE},
+            },
+        ),
+        RankSpec(Role.FFN, 0, serve_identity),
+    ]
+    host_polls = launch(layer, specs, timeout=600, transport_factory=_factory("host"))
+    times.update(host_polls["attention rank 0"].value)
     report["ffn_reply"] = {
         "host_ms": {str(k): v for k, v in ffn.get("reply_host_ms", {}).items()},
         "gpu_ms": {str(k): v for k, v in ffn.get("reply_gpu_ms", {}).items()},
     }
     report["layer"] = {k: v for k, v in times.items() if k.count("/") == 1}
     report["layer_calls"] = {k: v for k, v in times.items() if k.count("/") == 2}
+    report["layer_spread"] = {k: v for k, v in times.items() if k.endswith(("/p10", "/p90"))}
     floor_gbs = _floor_gbs(report["bandwidth"])
     report["layer_floor_gbs"] = floor_gbs
     print(
@@ -424,22 +492,25 @@ def run(args: Any) -> dict[str, Any]:
         f"header captured with the flag, fused combine kernel, counts read to the host once; "
         f"'dev pack' = the same with the dispatch packed on the device (no host read); 'torch "
         f"comb' = 'device' with the portable combine; 'copied hdr' = 'device' with each header "
-        f"copied out of the window; 'host' = host polls, copied headers, portable combine. "
-        f"'floor' = the rows there and back at the same-run peer copy_ bandwidth "
-        f"({floor_gbs:.0f} GB/s)."
+        f"copied out of the window (these four side by side, blocks of {ROUNDS_PER_BLOCK} "
+        f"rounds interleaved); 'host' = host polls, copied headers, portable combine (a launch "
+        f"of its own: host polls are a transport option). 'floor' = the rows there and back at "
+        f"the same-run peer copy_ bandwidth ({floor_gbs:.0f} GB/s). 'p10-p90' = the spread of "
+        f"'device' over its rounds."
     )
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
-        f"{'host':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11}"
+        f"{'host':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11} {'p10-p90':>11}"
     )
     for n in tokens:
         floor = 2 * n * TOPK * HIDDEN * 2 / (floor_gbs * 1e9)
         report["layer"][f"floor/{n}"] = floor
-        ms = {m: times[f"{m}/{n}"] * 1e3 for m in LAYER_MODES}
+        ms = {m: times[f"{m}/{n}"] * 1e3 for m in [*LAYER_MODES, "host"]}
+        spread = f"{times[f'device/{n}/p10'] * 1e3:.2f}-{times[f'device/{n}/p90'] * 1e3:.2f}"
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {floor * 1e3:7.2f} "
-            f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f}"
+            f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11}"
         )
     print(
         "\nwhere the 'device' time goes (median ms): attention host time in dispatch() and in "

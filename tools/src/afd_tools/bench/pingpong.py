@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 
-from afd_protocol import Role, Transport
+from afd_protocol import Role
+from afd_protocol.window import WindowTransport
 
 
-def flag_pingpong(transport: Transport, ring: int, first: int, iterations: int) -> list[float]:
+def flag_pingpong(
+    transport: WindowTransport, ring: int, first: int, iterations: int
+) -> list[float]:
     """Bounce flag ``(rank, ring)`` between attention rank 0 and FFN rank 0.
 
     The attention side publishes ``first``, ``first + 1``, ... and times each round trip;
@@ -23,9 +26,9 @@ def flag_pingpong(transport: Transport, ring: int, first: int, iterations: int) 
         start = time.perf_counter()
         if transport.role is Role.ATTENTION:
             transport.publish(0, out_flag, i)
-            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0])
+            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0]).values
             samples.append(time.perf_counter() - start)
         else:
-            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0])
+            (seen,) = transport.wait_any([in_flag], [seen], 30.0, [0]).values
             transport.publish(0, out_flag, seen)
     return samples

@@ -15,10 +15,8 @@ from typing import Any
 import torch
 
 from afd_models import PRESET_NAMES, MonolithicModel, RandomWeights, preset
-from afd_protocol import AFDError, Role, SharedPlacement, SlotLayout, Topology
-from afd_protocol.host import LaunchError, launch
-from afd_protocol.host.launcher import RankSpec
-from afd_protocol.testing import relative_error
+from afd_protocol import AFDError, Role, SharedPlacement, SlotLayout, Topology, relative_error
+from afd_protocol.launch import LaunchError, RankSpec, launch
 from afd_tools.run import ranks
 from afd_tools.run.metrics import ModeSummary, ratios, summarize
 from afd_tools.run.report import print_report, write_plot
@@ -41,7 +39,7 @@ def add_parser(sub: Any) -> None:
         "run",
         help="run attention replicas and FFN ranks as processes on a prefill workload",
         description=(
-            "Launch A attention replicas and F FFN ranks as processes (host shared-memory "
+            "Launch A attention replicas and F FFN ranks as processes (shared-memory "
             "transport), prefill a workload in each mode, check every request's final hidden "
             "state against the monolithic reference, and report TTFT, throughput and how busy "
             "each rank was."

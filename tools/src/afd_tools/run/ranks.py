@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -24,7 +24,14 @@ from afd_models import (
     MonolithicModel,
     RandomWeights,
 )
-from afd_protocol import AttentionEndpoint, ConnectorShutdown, FFNEndpoint, PeerTimeout, Transport
+from afd_protocol import (
+    AttentionEndpoint,
+    Connection,
+    DispatchHandle,
+    EndpointOptions,
+    PeerTimeout,
+    SharedPlacement,
+)
 from afd_tools.run.workload import Request
 
 
@@ -51,7 +58,8 @@ class ModeResult:
 
 
 class LockstepEndpoint:
-    """An attention endpoint whose every dispatch first waits for all replicas."""
+    """An attention endpoint whose every dispatch first waits for all replicas: the
+    lockstep of synchronous AFD, as an :class:`~afd_protocol.AttentionEndpoint`."""
 
     def __init__(self, endpoint: AttentionEndpoint, barrier: Any, timeout: float) -> None:
         self.endpoint = endpoint
@@ -60,21 +68,45 @@ class LockstepEndpoint:
         self.wait_s = 0.0
 
     @property
+    def rank(self) -> int:
+        return self.endpoint.rank
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.endpoint.dtype
+
+    @property
+    def shared_placement(self) -> SharedPlacement:
+        return self.endpoint.shared_placement
 
     @property
     def in_flight(self) -> int:
         return self.endpoint.in_flight
 
-    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+    def dispatch(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        stage: int = 0,
+    ) -> DispatchHandle:
         start = time.monotonic()
         _barrier_wait(self.barrier, self.timeout, "a replica stopped at a MoE layer")
         self.wait_s += time.monotonic() - start
-        return self.endpoint.dispatch(*args, **kwargs)
+        return self.endpoint.dispatch(layer_idx, hidden_states, topk_ids, topk_weights, stage)
 
-    def combine(self, pending: Any) -> torch.Tensor:
-        return self.endpoint.combine(pending)
+    def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
+        return self.endpoint.combine(handle, timeout)
+
+    def announce_shutdown(self) -> None:
+        self.endpoint.announce_shutdown()
+
+    def abort(self) -> None:
+        self.endpoint.abort()
+
+    def close(self) -> None:
+        self.endpoint.close()
 
 
 def _barrier_wait(barrier: Any, timeout: float, what: str) -> None:
@@ -85,7 +117,7 @@ def _barrier_wait(barrier: Any, timeout: float, what: str) -> None:
 
 
 def attention_replica(
-    transport: Transport,
+    connection: Connection,
     *,
     config: DeepseekConfig,
     seed: int,
@@ -98,17 +130,17 @@ def attention_replica(
     timeout: float,
     run_timeout: float,
 ) -> dict[str, Any]:
-    dtype = transport.window.slot.dtype
+    dtype = connection.layout.dtype
     torch_dtype = getattr(torch, dtype)
-    placement = transport.window.slot.shared_placement
+    placement = connection.layout.shared_placement
     weights = RandomWeights(seed)
     afd_model = AttentionRoleModel(config, weights, dtype=torch_dtype, shared_placement=placement)
     colocated = (
         MonolithicModel(config, weights, dtype=torch_dtype) if "colocated" in modes else None
     )
-    endpoint = AttentionEndpoint(transport, timeout=timeout)
+    endpoint = connection.attention_endpoint(EndpointOptions(timeout=timeout))
     lockstep = LockstepEndpoint(endpoint, barrier, run_timeout)
-    me = transport.rank
+    me = connection.rank
     prompts = {
         r.request_id: prompt_tokens(r.request_id, r.prompt_len, config.vocab_size, seed)
         for r in requests
@@ -156,10 +188,8 @@ def attention_replica(
                 waited = 0.0
             else:
                 lockstep.wait_s = 0.0
-                chosen = lockstep if mode == "sync" else endpoint
-                output = afd_model.forward(
-                    tokens, cast(AttentionEndpoint, chosen), compute_logits=False
-                )
+                chosen: AttentionEndpoint = lockstep if mode == "sync" else endpoint
+                output = afd_model.forward(tokens, chosen, compute_logits=False)
                 waited = afd_model.stats.combine_wait_s + lockstep.wait_s
             end = time.monotonic() - origin
             result.busy_s += end - start - waited
@@ -179,34 +209,24 @@ def attention_replica(
 
 
 def ffn_rank(
-    transport: Transport,
+    connection: Connection,
     *,
     config: DeepseekConfig,
     seed: int,
     backend: str,
     timeout: float,
 ) -> dict[str, Any]:
-    slot = transport.window.slot
+    slot = connection.layout
     executor = FFNRoleExecutor(
         config,
-        transport.topology.local_experts(transport.rank),
+        slot.topology.local_experts(connection.rank),
         RandomWeights(seed),
         dtype=getattr(torch, slot.dtype),
         backend=backend,
         shared_placement=slot.shared_placement,
     )
-    endpoint = FFNEndpoint(transport, timeout=timeout)
-    intervals: list[tuple[float, float, int, int]] = []
-    with torch.inference_mode():
-        while True:
-            try:
-                item = endpoint.next_work_item()
-            except ConnectorShutdown:
-                break
-            except PeerTimeout:
-                continue  # idle (colocated mode, sparse arrivals); dead peers raise PeerAborted
-            start = time.monotonic()
-            routed, shared = executor.compute(item)
-            endpoint.reply(item, routed.to(endpoint.dtype), shared)
-            intervals.append((start, time.monotonic(), item.replica, item.layer))
-    return {"intervals": intervals}
+    endpoint = connection.ffn_endpoint(EndpointOptions(timeout=timeout))
+    # Idle stretches (colocated mode, sparse arrivals) are waited out; a dead peer still
+    # ends the loop with PeerAborted.
+    stats = executor.serve(endpoint, keep_waiting=True)
+    return {"intervals": [(r.taken, r.replied, r.replica, r.layer) for r in stats.items]}

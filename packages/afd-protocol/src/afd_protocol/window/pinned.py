@@ -1,4 +1,4 @@
-"""Header writes that never make the host wait for the device.
+"""Small host<->device transfers through page-locked memory that never make the host wait.
 
 A header is encoded on the host and copied into a slot of a peer's window. On an
 accelerator, a copy from ordinary (pageable) host memory makes the host wait until the
@@ -6,26 +6,26 @@ stream has drained -- that is, until the payload written before it, or the exper
 computation before that, has finished. The sender would sit in that wait instead of
 going back to serve or to compute the next stage.
 
-:class:`HeaderStaging` keeps one page-locked buffer per (peer, ring) slot and issues the
+:class:`HeaderUpload` keeps one page-locked buffer per (peer, ring) slot and issues the
 copy asynchronously, on the same stream as the payload and before the flag, so ordering
 is unchanged. A buffer is reused only by the next message into the same slot; an event
 recorded after its copy makes that reuse wait for the copy (in the protocol the peer has
 answered in between, so the wait returns at once; it only matters when a shutdown
 message follows a reply in the same slot). On the host transport the copy is a plain
-``memcpy`` and none of this is needed.
+``memcpy`` and none of this is needed. :class:`PinnedReadback` is the other direction:
+small device values copied to the host without blocking, read when they are needed.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from afd_protocol.header import Header, encode_words
+from afd_protocol.core.header import Header, encode_words
 
 _CTYPES = {torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64}
 
@@ -40,7 +40,7 @@ class _Buffer:
     """Recorded after the last copy out of ``tensor``."""
 
 
-class PinnedStaging:
+class PinnedUpload:
     """Small integer arrays copied host to device through page-locked buffers, one per key.
 
     Values are written into the page-locked buffer through a ``ctypes`` array over it (a
@@ -73,18 +73,18 @@ class PinnedStaging:
         entry.done.record(torch.accelerator.current_stream(self._device))
 
 
-class HeaderStaging:
-    """Encodes headers and stages them with :class:`PinnedStaging`, one buffer per slot."""
+class HeaderUpload:
+    """Encodes headers and uploads them with :class:`PinnedUpload`, one buffer per slot."""
 
     def __init__(self, device: torch.device) -> None:
-        self._staging = PinnedStaging(device)
+        self._upload = PinnedUpload(device)
 
     def write(self, destination: torch.Tensor, header: Header, key: tuple[int, int]) -> None:
         """Copy ``header`` into ``destination`` (a slot's int32 header field) for slot ``key``."""
-        self._staging.copy(destination, encode_words(header), key)
+        self._upload.copy(destination, encode_words(header), key)
 
 
-class HostReadback:
+class PinnedReadback:
     """Small device tensors copied to page-locked host memory without blocking, read later.
 
     :meth:`start` enqueues the copy on the current stream; :meth:`read` returns the values
@@ -117,14 +117,3 @@ class HostReadback:
         if done is not None and not done.query():
             done.synchronize()
         return [int(v) for v in buffer.tolist()]
-
-
-@functools.lru_cache(maxsize=256)
-def constant_index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``values`` as a read-only int64 tensor on ``device``, built once per distinct tuple.
-
-    For small tables that stay fixed while a transport runs (watched flag indices, expert
-    wire positions, rank offsets, window addresses): on an accelerator, building them per
-    call would be a synchronising host-to-device copy each time. Do not write into it.
-    """
-    return torch.tensor(values, dtype=torch.int64, device=device)

@@ -1,4 +1,4 @@
-"""``afd bench transport --backend host``: the shared-memory transport on this machine.
+"""``afd bench transport --backend shm``: the shared-memory transport on this machine.
 
 Three measurements, each beside its floor from the same run:
 
@@ -19,15 +19,9 @@ from typing import Any
 
 import torch
 
-from afd_protocol import (
-    AttentionEndpoint,
-    Role,
-    SlotLayout,
-    Topology,
-    Transport,
-)
-from afd_protocol.host import launch
-from afd_protocol.host.launcher import RankSpec
+from afd_protocol import Connection, EndpointOptions, Role, SlotLayout, Topology
+from afd_protocol.launch import RankSpec, launch
+from afd_protocol.window import WindowTransport
 from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes, median_seconds
@@ -40,12 +34,12 @@ HIDDEN, EXPERTS, TOPK = 2048, 64, 6
 # ---- latency and bandwidth: one attention and one FFN process -------------------------
 
 
-def _pingpong(transport: Transport, iterations: int) -> list[float]:
+def _pingpong(transport: WindowTransport, iterations: int) -> list[float]:
     """Attention side bumps its flag in the FFN window; the FFN echoes it back."""
     return flag_pingpong(transport, 0, 1, iterations)
 
 
-def _bandwidth(transport: Transport, sizes: list[int], repeats: int) -> dict[str, Any]:
+def _bandwidth(transport: WindowTransport, sizes: list[int], repeats: int) -> dict[str, Any]:
     """Attention writes each size into the FFN window and publishes; FFN acknowledges."""
     window = transport.window
     rows_at = window.field_offset(0, 0, "routed_rows")
@@ -54,7 +48,7 @@ def _bandwidth(transport: Transport, sizes: list[int], repeats: int) -> dict[str
     seq = 0
     if transport.role is Role.FFN:
         while True:
-            (seen,) = transport.wait_any([in_flag], [seen], 60.0, [0])
+            (seen,) = transport.wait_any([in_flag], [seen], 60.0, [0]).values
             if seen < 0:
                 return {}
             transport.publish(0, out_flag, seen)
@@ -68,7 +62,7 @@ def _bandwidth(transport: Transport, sizes: list[int], repeats: int) -> dict[str
         seq += 1
         dst.copy_(source[:size])
         transport.publish(0, out_flag, seq)
-        (seen,) = transport.wait_any([in_flag], [seen], 60.0, [0])
+        (seen,) = transport.wait_any([in_flag], [seen], 60.0, [0]).values
 
     def copy(dst: torch.Tensor, size: int) -> None:
         dst.copy_(source[:size])
@@ -89,9 +83,9 @@ def _bandwidth(transport: Transport, sizes: list[int], repeats: int) -> dict[str
 # ---- dispatch + combine per layer: 2 attention x 2 FFN --------------------------------
 
 
-def _layer_attention(transport: Transport, tokens: list[int], repeats: int) -> dict[str, float]:
-    endpoint = AttentionEndpoint(transport, timeout=120.0)
-    gen = torch.Generator().manual_seed(transport.rank)
+def _layer_attention(connection: Connection, tokens: list[int], repeats: int) -> dict[str, float]:
+    endpoint = connection.attention_endpoint(EndpointOptions(timeout=120.0))
+    gen = torch.Generator().manual_seed(connection.rank)
     results = {}
 
     def layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -108,7 +102,7 @@ def _layer_attention(transport: Transport, tokens: list[int], repeats: int) -> d
 
 def run(args: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
-    report: dict[str, Any] = {"backend": "host"}
+    report: dict[str, Any] = {"backend": "shm"}
 
     # Latency.
     topo = Topology(1, 1, 1)

@@ -1,9 +1,9 @@
-"""Launch attention and FFN ranks as processes on one machine over the host transport.
+"""Launch attention and FFN ranks as processes on one machine.
 
-Used by tests, benchmarks and ``afd run``. Each rank runs ``target(transport, **kwargs)``
-in a fresh ``spawn`` process with its transport open (the :class:`HostTransport` by
-default; any backend through ``transport_factory``); its return value comes back to the
-caller. Guarantees: every process is gone when :func:`launch` returns
+Used by tests, benchmarks and ``afd run``. Each rank runs ``target(connection, **kwargs)``
+in a fresh ``spawn`` process with its connection open (the shared-memory transport by
+default; any backend through ``transport_factory``), and asks it for its endpoint; its
+return value comes back to the caller. Guarantees: every process is gone when :func:`launch` returns
 or raises (terminated, then killed), the rendezvous directory and any segment it names
 are removed, and a failing rank makes :func:`launch` raise :class:`LaunchError` naming
 every rank's outcome. A rank that raises sets its abort word first, so its peers fail
@@ -12,6 +12,7 @@ fast instead of waiting for their timeouts.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -28,29 +29,30 @@ from typing import Any
 
 import torch
 
-from afd_protocol.errors import AFDError
-from afd_protocol.host.rendezvous import DirectoryRendezvous
-from afd_protocol.host.segments import remove_segments
-from afd_protocol.host.transport import HostTransport
-from afd_protocol.layout import WindowLayout
-from afd_protocol.topology import Role
-from afd_protocol.transport import Transport
+from afd_protocol.core.endpoints import Connection
+from afd_protocol.core.errors import AFDError
+from afd_protocol.core.layout import WindowLayout
+from afd_protocol.core.rendezvous import DirectoryStore
+from afd_protocol.core.topology import Role
+from afd_protocol.shm.segments import remove_segments
+from afd_protocol.shm.transport import ShmTransport
 
-TransportFactory = Callable[[WindowLayout, Role, int, str, float], Transport]
+TransportFactory = Callable[[WindowLayout, Role, int, str, float], Connection]
 """``factory(window, role, rank, rendezvous_dir, connect_timeout)`` opens one rank's
-transport inside its process; it must be a module-level function (spawn pickles it)."""
+connection inside its process; it must be picklable (a module-level function, or a
+``functools.partial`` of one), since spawn pickles it."""
 
 
-def host_transport(
+def shm_transport(
     window: WindowLayout, role: Role, rank: int, rendezvous: str, connect_timeout: float
-) -> Transport:
-    """The default factory: the shared-memory host transport."""
-    return HostTransport(window, role, rank, rendezvous, connect_timeout=connect_timeout)
+) -> Connection:
+    """The default factory: the shared-memory transport over the launcher's directory."""
+    return ShmTransport(window, role, rank, rendezvous, connect_timeout=connect_timeout)
 
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What one rank runs: ``target(transport, **kwargs)`` (a module-level function)."""
+    """What one rank runs: ``target(connection, **kwargs)`` (a module-level function)."""
 
     role: Role
     rank: int
@@ -127,8 +129,15 @@ def _rank_main(
     _set_process_name(process_name(spec.name))
     torch.set_num_threads(threads)
     try:
-        with factory(window, Role(spec.role), spec.rank, rendezvous, connect_timeout) as transport:
-            value = spec.target(transport, **spec.kwargs)
+        connection = factory(window, Role(spec.role), spec.rank, rendezvous, connect_timeout)
+        try:
+            value = spec.target(connection, **spec.kwargs)
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):
+                connection.abort()  # peers fail fast instead of waiting for their timeouts
+            raise
+        finally:
+            connection.close()
         # Pickled here with the standard pickler, so tensors travel by value: torch's
         # multiprocessing reducers would pass file descriptors that die with this process.
         results.put((spec.name, True, pickle.dumps(value), None, None, None, os.getpid()))
@@ -168,7 +177,7 @@ def launch(
     threads_per_rank: int = 1,
     on_start: Callable[[dict[str, int]], None] | None = None,
     window_overrides: Mapping[str, WindowLayout] | None = None,
-    transport_factory: TransportFactory = host_transport,
+    transport_factory: TransportFactory = shm_transport,
 ) -> dict[str, RankResult]:
     """Run ``ranks`` to completion; see the module docstring.
 
@@ -247,7 +256,7 @@ def launch(
                 process.kill()
                 process.join(timeout=5)
         results_queue.close()
-        records = DirectoryRendezvous(rendezvous).records().values()
+        records = [json.loads(r) for r in DirectoryStore(rendezvous).items("afd/rank/").values()]
         remove_segments(r["segment"] for r in records if "segment" in r)
         shutil.rmtree(rendezvous, ignore_errors=True)
     if any(not r.ok for r in results.values()):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from afd_protocol.errors import AFDError
+from afd_protocol.core.errors import AFDError
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "afd-"

@@ -33,9 +33,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from afd_protocol.errors import CapacityError, TopologyError
-from afd_protocol.header import HEADER_FIXED_WORDS, PROTOCOL_VERSION, HeaderLimits, MessageKind
-from afd_protocol.topology import Topology
+from afd_protocol.core.errors import CapacityError, TopologyError
+from afd_protocol.core.header import HEADER_FIXED_WORDS, PROTOCOL_VERSION, HeaderLimits, MessageKind
+from afd_protocol.core.topology import Topology
 
 ALIGN = 256
 """Alignment of every field and slot, in bytes."""

@@ -17,7 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from afd_protocol.errors import TopologyError
+from afd_protocol.core.errors import TopologyError
 
 
 class Role(str, enum.Enum):

@@ -1,4 +1,4 @@
-"""The host transport: AFD windows in POSIX shared memory between processes on one machine.
+"""The shared-memory transport: AFD windows in POSIX shared memory between processes.
 
 It is the embedded default (CPU), the reference the GPU and CAM transports are checked
 against, and what CI exercises end to end.
@@ -15,7 +15,14 @@ store by the thread-pool join (a synchronising atomic) that the copy returns thr
 A receiver loads the flag first and the payload after, and x86-64 never reorders two
 loads. So a receiver that sees the new flag sees the whole payload. Weakly ordered
 machines (ARM, POWER) need explicit fences that Python cannot issue portably, so the
-transport refuses to start there (see :func:`~afd_protocol.host.segments.check_platform`).
+transport refuses to start there (see :func:`~afd_protocol.shm.segments.check_platform`).
+
+Start-up
+--------
+Through :class:`~afd_protocol.core.rendezvous.Rendezvous` over any key-value store (a
+private directory by default): each rank creates its segment, publishes its path and
+geometry, checks every opposite-role peer's geometry, maps their segments, and waits until
+every peer mapped its own; then it unlinks its segment's name, so nothing can leak.
 
 Liveness
 --------
@@ -34,18 +41,14 @@ from pathlib import Path
 
 import torch
 
-from afd_protocol.errors import PeerAborted, PeerTimeout, TopologyError
-from afd_protocol.host.rendezvous import (
-    DirectoryRendezvous,
-    check_peers_alive,
-    process_start_time,
-)
-from afd_protocol.host.segments import SharedSegment, check_platform
-from afd_protocol.layout import WindowLayout, check_same_geometry
-from afd_protocol.staging import constant_index
-from afd_protocol.topology import Role
-from afd_protocol.transport import Transport
-from afd_protocol.views import abort_words, flag_words
+from afd_protocol.core.errors import InvalidArgument, PeerAborted, PeerTimeout
+from afd_protocol.core.layout import WindowLayout
+from afd_protocol.core.rendezvous import DirectoryStore, KeyValueStore, Rendezvous
+from afd_protocol.core.tensors import constant_index
+from afd_protocol.core.topology import Role
+from afd_protocol.shm.segments import SharedSegment, check_platform
+from afd_protocol.window.transport import Arrivals, WindowTransport
+from afd_protocol.window.views import abort_words, flag_words
 
 SPIN_POLLS = 200
 """Busy polls before a waiter starts sleeping, when every rank has a core of its own."""
@@ -57,15 +60,19 @@ MAX_SLEEP = 0.0005
 """Sleeps between polls grow from MIN_SLEEP to MAX_SLEEP (bounds a wake-up's latency)."""
 
 
-class HostTransport(Transport):
-    """Shared-memory windows for one rank; see the module docstring."""
+class ShmTransport(WindowTransport):
+    """Shared-memory windows for one rank; see the module docstring.
+
+    ``rendezvous`` is a directory every rank of the world uses (made private, 0700) or any
+    :class:`~afd_protocol.core.rendezvous.KeyValueStore`.
+    """
 
     def __init__(
         self,
         window: WindowLayout,
         role: Role | str,
         rank: int,
-        rendezvous: str | Path,
+        rendezvous: str | Path | KeyValueStore,
         *,
         connect_timeout: float = 60.0,
         liveness_interval: float = 0.05,
@@ -81,51 +88,32 @@ class HostTransport(Transport):
         oversubscribed = window.slot.topology.world_size > cores
         self._spin_polls = OVERSUBSCRIBED_SPIN_POLLS if oversubscribed else SPIN_POLLS
         topo = self.topology
-        me = topo.world_rank(self.role, rank)
         self._name = f"{self.role.value} rank {rank}"
-        rdv = DirectoryRendezvous(rendezvous)
+        store = (
+            DirectoryStore(rendezvous, timeout=connect_timeout)
+            if isinstance(rendezvous, str | Path)
+            else rendezvous
+        )
+        rdv = Rendezvous(store, topo, self.role, rank, liveness_interval=liveness_interval)
         self._rendezvous = rdv
         peer_role = self.role.opposite
-        peers = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
+        self._peer_world = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
         try:
-            self._segment = SharedSegment.create(window.total_bytes, tag=f"w{me}")
-            rdv.publish(
-                f"rank-{me}",
-                {
-                    "who": self._name,
-                    "pid": os.getpid(),
-                    "start_time": process_start_time(os.getpid()),
-                    "segment": str(self._segment.path),
-                    "geometry": window.describe(),
-                },
-            )
-            infos = rdv.wait_for(
-                [f"rank-{w}" for w in peers],
-                [f"failed-{w}" for w in peers],
+            self._segment = SharedSegment.create(window.total_bytes, tag=f"w{rdv.world_rank}")
+            records = rdv.join(
+                window.describe(),
+                self._peer_world,
                 connect_timeout,
-                f"{self._name} waiting for its {peer_role.value} peers",
+                segment=str(self._segment.path),
             )
-            self._peer_pids: list[tuple[int, int]] = []
-            for r, w in enumerate(peers):
-                info = infos[f"rank-{w}"]
-                check_same_geometry(
-                    window.describe(), info["geometry"], peer=f"{peer_role.value} rank {r}"
-                )
-                self._peer_segments.append(
-                    SharedSegment.attach(Path(info["segment"]), window.total_bytes)
-                )
-                self._peer_pids.append((int(info["pid"]), int(info["start_time"])))
-            rdv.publish(f"attached-{me}", {"who": self._name})
-            rdv.wait_for(
-                [f"attached-{w}" for w in peers],
-                [f"failed-{w}" for w in peers],
-                connect_timeout,
-                f"{self._name} waiting for its peers to map its window",
-            )
+            for w in self._peer_world:
+                path = Path(records[w].extra["segment"])
+                self._peer_segments.append(SharedSegment.attach(path, window.total_bytes))
+            rdv.barrier("attached", self._peer_world, connect_timeout)
             # Every peer has mapped our window: drop the name so nothing can leak.
             self._segment.unlink()
         except BaseException as exc:
-            rdv.publish(f"failed-{me}", {"who": self._name, "reason": str(exc)})
+            rdv.fail(str(exc) or type(exc).__name__)
             self.close()
             raise
         local = self._segment.tensor
@@ -147,14 +135,14 @@ class HostTransport(Transport):
 
     def peer_window(self, peer: int) -> torch.Tensor:
         self._check_open()
-        window = self._peer_windows[self._check_peer(peer)]
+        window = self._peer_windows[self.check_peer(peer)]
         assert window is not None
         return window
 
     def publish(self, peer: int, flag_index: int, value: int) -> None:
         # One aligned int32 element store, after the payload in program order (see above).
         self._check_open()
-        self._peer_flags[self._check_peer(peer)][flag_index] = value
+        self._peer_flags[self.check_peer(peer)][flag_index] = value
 
     def wait_any(
         self,
@@ -162,11 +150,12 @@ class HostTransport(Transport):
         last_seen: Sequence[int],
         timeout: float,
         peers: Sequence[int],
-    ) -> list[int]:
+    ) -> Arrivals:
         self._check_open()
         index = constant_index(tuple(flag_indices), self.device)
         last = torch.tensor(list(last_seen), dtype=torch.int32)
         watched = list(peers)
+        watched_world = [self._peer_world[p] for p in watched]
         peer_index = constant_index(tuple(watched), self.device)
         start = time.monotonic()
         deadline = start + timeout
@@ -176,7 +165,7 @@ class HostTransport(Transport):
         while True:
             current = self._flags.index_select(0, index)
             if not torch.equal(current, last):
-                return [int(v) for v in current.tolist()]
+                return Arrivals([int(v) for v in current.tolist()])
             if watched and bool(self._aborts.index_select(0, peer_index).any()):
                 bad = [p for p in watched if int(self._aborts[p]) != 0]
                 raise PeerAborted(
@@ -185,7 +174,7 @@ class HostTransport(Transport):
                 )
             now = time.monotonic()
             if now >= next_liveness:
-                check_peers_alive(self._name, self.role.opposite.value, watched, self._peer_pids)
+                self._rendezvous.check_alive(watched_world)
                 next_liveness = now + self._liveness_interval
             if now >= deadline:
                 raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
@@ -215,12 +204,4 @@ class HostTransport(Transport):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TopologyError(f"{self._name}: the host transport is closed")
-
-    def _check_peer(self, peer: int) -> int:
-        if not 0 <= peer < self.num_peers:
-            raise TopologyError(
-                f"{self._name}: peer {peer} is outside [0, {self.num_peers}) "
-                f"{self.role.opposite.value} ranks"
-            )
-        return peer
+            raise InvalidArgument(f"{self._name}: the shared-memory transport is closed")

@@ -14,14 +14,18 @@ which request a reply answers) comes in the header::
     word  7  ROUTED_ROWS   routed rows in this slot (sum of the expert counts)
     word  8  SHARED_ROWS   shared-expert rows in this slot
     word  9  FLAGS         bit 0 shutdown, bit 1 abort
-    word 10  SEQ           sender's sequence number for this message (>= 1)
+    word 10  SEQ           sender's sequence number for this message, in [1, 2**31)
     word 11  ANSWER_SEQ    on replies, the dispatch SEQ it answers; 0 on dispatch
     word 12  NUM_COUNTS    number of per-local-expert count words that follow
     word 13  CHECKSUM      position-weighted sum of all other words (see below)
     word 14+ EXPERT_COUNTS rows per local expert, ascending local id
 
-The sequence numbers make arrival detection ABA-safe (a flag word holds the sender's
-SEQ, which only grows) and let the attention side reject a stale or misdirected reply.
+The sequence numbers make arrival detection ABA-safe (a flag word holds the sender's SEQ,
+and consecutive messages into one slot never carry the same one) and let the attention
+side reject a stale or misdirected reply. A sender counts 1, 2, ..., 2**31 - 1 and then
+wraps to 1 (:func:`next_seq`): arrival is "differs from the value last seen", never
+"greater than", so the wrap is invisible to receivers, and a value comes back only after
+two billion messages, long after any reply it could be confused with was consumed.
 
 The checksum is ``(sum_i (2i + 1) * word_i + SALT) mod 2**32`` over every word except
 itself. Each weight is odd and therefore invertible modulo ``2**32``, so changing any
@@ -39,16 +43,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd_protocol.errors import ProtocolError
+from afd_protocol.core.errors import ProtocolError
 
 MAGIC = 0x41464447  # b"AFDG"
 PROTOCOL_VERSION = 1
 CHECKSUM_SALT = 0x9E3779B9
 MAX_COUNT_WORDS = 1 << 16
+SEQ_LIMIT = 1 << 31
+"""Sequence numbers are in ``[1, SEQ_LIMIT)`` (positive int32); they wrap to 1."""
 
 FLAG_SHUTDOWN = 1 << 0
 FLAG_ABORT = 1 << 1
 KNOWN_FLAGS = FLAG_SHUTDOWN | FLAG_ABORT
+
+
+def next_seq(seq: int) -> int:
+    """The sequence number after ``seq``: ``seq + 1``, wrapping from ``2**31 - 1`` to 1.
+
+    0 is never used: a fresh window's flags are 0, so a first message must differ from it.
+    """
+    return seq + 1 if 0 <= seq < SEQ_LIMIT - 1 else 1
 
 
 class Word(enum.IntEnum):
@@ -254,7 +268,7 @@ def decode_header(
     flags = word(Word.FLAGS)
     if flags & ~KNOWN_FLAGS:
         raise _bad("FLAGS", flags, f"only bits {KNOWN_FLAGS:#b} (shutdown, abort)")
-    seq = in_range(Word.SEQ, 1, None)
+    seq = in_range(Word.SEQ, 1, SEQ_LIMIT)
     answer_seq = word(Word.ANSWER_SEQ)
     if kind is MessageKind.DISPATCH and answer_seq != 0:
         raise _bad("ANSWER_SEQ", answer_seq, "0 on a dispatch")

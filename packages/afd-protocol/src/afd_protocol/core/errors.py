@@ -1,12 +1,15 @@
 """The afd error hierarchy.
 
 Every failure that crosses a package boundary is an `AFDError`, so an engine can catch
-one type at its top level and still tell the causes apart. Each message says what
-happened *and* what to change; callers should not have to read our source to act.
+one type at its top level and still tell the causes apart. Each type stands for one kind
+of fix, and each message says what happened *and* what to change; callers should not
+have to read our source to act.
 
     AFDError
     ├── ProtocolError       a header or slot on the wire is malformed (names the field)
     ├── CapacityError       a batch does not fit the fixed-size slot (names the numbers)
+    ├── RingExhausted       every ring slot holds an uncombined dispatch (combine one first)
+    ├── InvalidArgument     a call got a tensor of the wrong shape, dtype, device or state
     ├── TopologyError       configuration or geometry is inconsistent (names the parameter)
     ├── PeerTimeout         a peer did not answer within the configured timeout
     ├── PeerAborted         a peer published its abort word (it failed; we fail fast)
@@ -27,7 +30,23 @@ class ProtocolError(AFDError):
 class CapacityError(AFDError):
     """A batch does not fit the slot capacities fixed at initialisation.
 
-    Raised before anything is written, so nothing is truncated and nothing is lost.
+    Raised before anything is written, so nothing is truncated and nothing is lost. The
+    fix is a smaller batch or larger capacities.
+    """
+
+
+class RingExhausted(AFDError):
+    """A dispatch found every ring slot holding a dispatch that was not combined yet.
+
+    Raised before anything is written. The fix is in the caller's schedule: combine an
+    earlier dispatch first, or size ``ring_depth`` to the number of stages in flight.
+    """
+
+
+class InvalidArgument(AFDError, ValueError):
+    """A call's argument has the wrong shape, dtype, device or state (a caller's bug).
+
+    Nothing was written; the endpoint stays usable.
     """
 
 
@@ -51,8 +70,10 @@ __all__ = [
     "AFDError",
     "CapacityError",
     "ConnectorShutdown",
+    "InvalidArgument",
     "PeerAborted",
     "PeerTimeout",
     "ProtocolError",
+    "RingExhausted",
     "TopologyError",
 ]

@@ -1,4 +1,4 @@
-"""The host transport end to end: real processes (spawn), shared memory, linear experts."""
+"""The shared-memory transport end to end: real processes (spawn), linear experts."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import afd_host_workers as workers
+import afd_shm_workers as workers
 import pytest
 
-from afd_protocol import Role, SlotLayout, Topology
-from afd_protocol.host import LaunchError, launch, leftover_segments
-from afd_protocol.host.launcher import RankSpec
+from afd_protocol import SEQ_LIMIT, Role, SlotLayout, Topology
+from afd_protocol.launch import LaunchError, RankSpec, launch
+from afd_protocol.shm import leftover_segments
 
 LAYERS = 4
 
@@ -148,7 +148,7 @@ def test_garbage_fails_the_run_fast_when_not_tolerated() -> None:
     assert results["ffn rank 0"].error_type == "ProtocolError"
     assert results["attention rank 0"].error_type == "PeerAborted"
     # The message says where each rank raised, so a failure is findable without the tracebacks.
-    assert "raised at ffn_endpoint.py:" in str(caught.value)
+    assert "raised at ffn.py:" in str(caught.value)
 
 
 def test_killed_ffn_rank_fails_its_peers_within_the_timeout_and_leaks_nothing() -> None:
@@ -167,7 +167,7 @@ def test_killed_ffn_rank_fails_its_peers_within_the_timeout_and_leaks_nothing() 
     results = caught.value.results
     assert results["ffn rank 1"].error == "killed by SIGKILL"
     assert results["attention rank 0"].error_type in ("PeerAborted", "PeerTimeout")
-    assert "[1]" in results["attention rank 0"].error
+    assert "ffn rank 1" in results["attention rank 0"].error
     assert results["ffn rank 0"].error_type == "PeerAborted"
     assert elapsed < 30, f"took {elapsed:.1f} s"
     for pid in pids.values():  # every process is gone
@@ -199,3 +199,31 @@ def test_mismatched_geometry_is_refused_naming_the_parameter() -> None:
         "max_num_batched_tokens is 48 here but 64 there" in messages
         or "max_num_batched_tokens is 64 here but 48 there" in messages
     )
+
+
+def test_sequence_numbers_wrap_without_losing_or_confusing_a_message() -> None:
+    """Both ranks start three messages before 2**31 - 1, so the ring slots' flags and the
+    replies' ANSWER_SEQ cross the wrap to 1 mid-run, with two stages in flight."""
+    window = layout(1, 1, experts=4, ring_depth=2)
+    last = SEQ_LIMIT - 4  # the next three numbers are SEQ_LIMIT - 3 .. SEQ_LIMIT - 1
+    jobs = [{"layer": layer % LAYERS, "tokens": 5 + layer} for layer in range(8)]
+    specs = [
+        RankSpec(
+            Role.ATTENTION,
+            0,
+            workers.attention_linear,
+            {"seed": 3, "layers": LAYERS, "jobs": jobs, "in_flight": 2, "last_seq": last},
+        ),
+        *ffn_specs(1, last_seq=last),
+    ]
+    results = launch(window, specs, timeout=60)
+    attention = results["attention rank 0"].value
+    assert len(attention["errors"]) == len(jobs)
+    assert max(attention["errors"]) <= 1e-5
+    # 8 dispatches and a shutdown from the attention rank, 8 replies from the FFN rank: each
+    # counter wrapped once, skipping 0, and ended on a small number.
+    assert attention["last_seq"] == 9 - 3
+    assert results["ffn rank 0"].value["last_seq"] == 8 - 3
+    assert len(results["ffn rank 0"].value["served"]) == len(jobs)
+    # The reply flags in the attention window hold post-wrap values, never 0 after use.
+    assert all(0 < f < 10 for f in attention["flags"][: window.ring_depth])

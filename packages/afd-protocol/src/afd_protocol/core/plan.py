@@ -1,5 +1,14 @@
 """Dispatch planning and the weighted combine, shared by every transport.
 
+Two plans of one layer's dispatch, computed the same way:
+
+* :func:`plan_dispatch` -> :class:`DispatchPlan`: the counts also come to the host (one
+  device-to-host read), because a sender that slices each destination's rows needs them,
+  and because capacities can then be checked before anything is written;
+* :func:`plan_on_device` -> :class:`DevicePlan`: everything stays on the device, for a
+  sender that packs every destination in one device pass and never needs the counts on
+  the host (the host can then run ahead of the device).
+
 ``plan_dispatch`` turns the router's ``topk_ids [T, k]`` into the wire order with one
 stable sort: each routed *partial* (token t, choice j) gets the wire position of its
 expert (destination FFN rank first, local expert id second, see
@@ -24,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_protocol.errors import ProtocolError, TopologyError
-from afd_protocol.layout import SharedPlacement, SlotLayout
-from afd_protocol.staging import constant_index
-from afd_protocol.topology import ExpertPlacement, Topology
+from afd_protocol.core.errors import InvalidArgument, ProtocolError
+from afd_protocol.core.layout import SharedPlacement, SlotLayout
+from afd_protocol.core.tensors import constant_index
+from afd_protocol.core.topology import ExpertPlacement, Topology
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,7 @@ class DispatchPlan(WireOrder):
             layout.check_capacity(self.num_tokens, self.routed_rows(d), self.shared_rows(d), dest=d)
 
 
-def _wire_table(placement: ExpertPlacement, device: torch.device) -> torch.Tensor:
+def wire_table(placement: ExpertPlacement, device: torch.device) -> torch.Tensor:
     """Expert id -> wire position, built once per placement and device (not per layer)."""
     return constant_index(tuple(placement.wire_position), device)
 
@@ -129,7 +138,7 @@ def check_expert_bounds(low: int, high: int, num_experts: int) -> None:
     """Raise if the router chose an expert id outside ``[0, num_experts)``."""
     if low < 0 or high >= num_experts:
         bad = low if low < 0 else high
-        raise TopologyError(
+        raise InvalidArgument(
             f"topk_ids holds expert id {bad}, outside [0, {num_experts}): the router and the "
             f"topology disagree on the number of routed experts"
         )
@@ -173,19 +182,14 @@ def plan_dispatch(
     With ``layout`` given, capacities are checked here, before anything is written.
     """
     placement_kind = SharedPlacement(shared_placement)
-    if topk_ids.dim() != 2:
-        raise TopologyError(
-            f"topk_ids must be [num_tokens, topk], got shape {tuple(topk_ids.shape)}"
-        )
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise TopologyError(f"topk_ids must hold integer expert ids, got {topk_ids.dtype}")
+    check_topk_ids(topk_ids)
     num_tokens, topk = topk_ids.shape
     placement = topology.expert_placement
     num_experts = placement.num_experts
     device = topk_ids.device
 
     flat = topk_ids.reshape(-1).long()
-    wire_of_expert = _wire_table(placement, device)
+    wire_of_expert = wire_table(placement, device)
     keys = wire_of_expert.index_select(0, flat.clamp(0, num_experts - 1))
     # index_add_ rather than bincount: on CUDA, bincount reads the largest key back to the
     # host to size its output, a second synchronisation per layer.
@@ -222,13 +226,75 @@ def plan_dispatch(
         shared_tokens=shared,
     )
     if layout is not None:
-        if topk != layout.topk:
-            raise TopologyError(
-                f"topk_ids choose {topk} experts per token but the slot layout was sized for "
-                f"topk={layout.topk}; the router and the AFD configuration disagree"
-            )
+        check_topk(topk, layout)
         plan.check_capacity(layout)
     return plan
+
+
+def check_topk_ids(topk_ids: torch.Tensor) -> None:
+    """Raise :class:`InvalidArgument` unless ``topk_ids`` is a 2-D tensor of integer ids."""
+    if topk_ids.dim() != 2:
+        raise InvalidArgument(
+            f"topk_ids must be [num_tokens, topk], got shape {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise InvalidArgument(f"topk_ids must hold integer expert ids, got {topk_ids.dtype}")
+
+
+def check_topk(topk: int, layout: SlotLayout) -> None:
+    """Raise :class:`InvalidArgument` when the router chose a different top-k than the layout."""
+    if topk != layout.topk:
+        raise InvalidArgument(
+            f"topk_ids choose {topk} experts per token but the slot layout was sized for "
+            f"topk={layout.topk}; the router and the AFD configuration disagree"
+        )
+
+
+@dataclass(frozen=True)
+class DevicePlan(WireOrder):
+    """A dispatch plan whose counts stay on the device (see :func:`plan_on_device`)."""
+
+    segment_offsets: torch.Tensor
+    """int64 ``[F + 1]`` on the device: FFN rank ``d`` gets wire positions
+    ``[segment_offsets[d], segment_offsets[d + 1])``."""
+    expert_bounds: torch.Tensor
+    """int64 ``[2]``: the smallest and largest expert id routed to, for the range check."""
+
+
+def plan_on_device(
+    topk_ids: torch.Tensor, topology: Topology, shared_placement: SharedPlacement
+) -> DevicePlan:
+    """:func:`plan_dispatch` without its device-to-host read.
+
+    The caller has validated ``topk_ids`` (2-D, integer, on the window's device); ids out of
+    range are clamped here and reported from ``expert_bounds`` later.
+    """
+    num_tokens, topk = topk_ids.shape
+    placement = topology.expert_placement
+    num_experts = placement.num_experts
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    keys = wire_table(placement, device).index_select(0, flat.clamp(0, num_experts - 1))
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.index_add_(0, keys, _one(device).expand(keys.numel()))
+    order = torch.sort(keys, stable=True).indices
+    totals = torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts.cumsum(0)])
+    segments = totals.index_select(0, constant_index(placement.rank_wire_offsets, device))
+    if flat.numel():
+        bounds = torch.stack(torch.aminmax(flat))
+    else:
+        bounds = torch.zeros(2, dtype=torch.long, device=device)
+    return DevicePlan(
+        num_tokens=num_tokens,
+        topk=topk,
+        shared_placement=shared_placement,
+        order=order,
+        row_token=torch.div(order, topk, rounding_mode="floor"),
+        expert_counts=counts,
+        segment_offsets=segments,
+        expert_bounds=bounds,
+        shared_tokens=shared_token_split(num_tokens, topology, shared_placement, device),
+    )
 
 
 def new_accumulator(

@@ -12,15 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_protocol.layout import FieldSpec, WindowLayout
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype named by a layout dtype string (``"bfloat16"`` -> ``torch.bfloat16``)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return dtype
+from afd_protocol.core.layout import FieldSpec, WindowLayout
+from afd_protocol.core.tensors import torch_dtype
 
 
 def _field(window: torch.Tensor, base: int, spec: FieldSpec) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """An in-process transport: every rank's window in one process, for tests and examples.
 
-All windows are ordinary CPU tensors owned by one :class:`LoopbackWorld`; a
+All windows are ordinary tensors (on the CPU, or on one GPU) owned by one :class:`LoopbackWorld`; a
 :class:`LoopbackTransport` per rank exposes them through the same interface as the real
 transports, so endpoint logic (fairness, rings, stale replies, shutdown) can be driven
 step by step from a single thread, deterministically, with no processes. Waits poll
@@ -15,21 +15,22 @@ from collections.abc import Sequence
 
 import torch
 
-from afd_protocol.errors import PeerAborted, PeerTimeout
-from afd_protocol.layout import WindowLayout
-from afd_protocol.topology import Role
-from afd_protocol.transport import Transport
-from afd_protocol.views import abort_words, flag_words
+from afd_protocol.core.errors import PeerAborted, PeerTimeout
+from afd_protocol.core.layout import WindowLayout
+from afd_protocol.core.topology import Role
+from afd_protocol.window.transport import Arrivals, WindowTransport
+from afd_protocol.window.views import abort_words, flag_words
 
 
 class LoopbackWorld:
     """The windows of every rank of one topology, in this process."""
 
-    def __init__(self, window: WindowLayout) -> None:
+    def __init__(self, window: WindowLayout, device: torch.device | str = "cpu") -> None:
         self.window = window
+        self.device = torch.device(device)
         topo = window.slot.topology
         self.windows = {
-            (role, r): torch.zeros(window.total_bytes, dtype=torch.uint8)
+            (role, r): torch.zeros(window.total_bytes, dtype=torch.uint8, device=self.device)
             for role in Role
             for r in range(topo.num_role_ranks(role))
         }
@@ -38,7 +39,7 @@ class LoopbackWorld:
         return LoopbackTransport(self, Role(role), rank)
 
 
-class LoopbackTransport(Transport):
+class LoopbackTransport(WindowTransport):
     """One rank's view of a :class:`LoopbackWorld`."""
 
     def __init__(self, world: LoopbackWorld, role: Role, rank: int) -> None:
@@ -50,14 +51,13 @@ class LoopbackTransport(Transport):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._world.device
 
     def local_window(self) -> torch.Tensor:
         return self._local
 
     def peer_window(self, peer: int) -> torch.Tensor:
-        self.topology.world_rank(self.role.opposite, peer)  # validates the peer
-        return self._world.windows[(self.role.opposite, peer)]
+        return self._world.windows[(self.role.opposite, self.check_peer(peer))]
 
     def publish(self, peer: int, flag_index: int, value: int) -> None:
         flag_words(self.peer_window(peer), self.window)[flag_index] = value
@@ -68,12 +68,12 @@ class LoopbackTransport(Transport):
         last_seen: Sequence[int],
         timeout: float,
         peers: Sequence[int],
-    ) -> list[int]:
+    ) -> Arrivals:
         deadline = time.monotonic() + timeout
         while True:
             current = [int(self._flags[i]) for i in flag_indices]
             if current != list(last_seen):
-                return current
+                return Arrivals(current)
             aborted = [p for p in peers if int(self._aborts[p]) != 0]
             if aborted:
                 raise PeerAborted(f"{self.role.opposite.value} rank(s) {aborted} aborted")

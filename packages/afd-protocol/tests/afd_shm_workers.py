@@ -1,4 +1,4 @@
-"""Rank programs for the multi-process host-transport tests (spawned by the launcher).
+"""Rank programs for the multi-process shared-memory tests (spawned by the launcher).
 
 Experts are linear and deterministic from a seed, so the attention side can check every
 combined output against an independent per-token reference computed locally.
@@ -12,56 +12,57 @@ from typing import Any
 
 import torch
 
-from afd_protocol import (
-    AttentionEndpoint,
-    ConnectorShutdown,
-    FFNEndpoint,
-    ProtocolError,
-    Transport,
-    flag_words,
-    torch_dtype,
-)
-from afd_protocol.testing import LinearExperts, relative_error
+from afd_protocol import EndpointOptions, WorkItem, relative_error, serve, torch_dtype
+from afd_protocol.testing import LinearExperts
+from afd_protocol.window import SequenceCounter, WindowTransport, flag_words
 
 
-def experts_for(transport: Transport, seed: int, layers: int) -> LinearExperts:
-    slot = transport.window.slot
+def experts_for(transport: WindowTransport, seed: int, layers: int) -> LinearExperts:
+    slot = transport.layout
     return LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
 
 
+def start_sequence_at(transport: WindowTransport, last: int | None) -> None:
+    """Make this rank's next message carry sequence number ``last + 1`` (wrap tests)."""
+    if last is not None:
+        transport.sequence = SequenceCounter(last)
+
+
 def ffn_linear(
-    transport: Transport,
+    transport: WindowTransport,
     *,
     seed: int,
     layers: int,
     timeout: float = 30.0,
     die_after: int | None = None,
     tolerate_garbage: bool = False,
+    last_seq: int | None = None,
 ) -> dict[str, Any]:
     """Serve work items with linear experts until every attention rank shuts down."""
-    ep = FFNEndpoint(transport, timeout=timeout)
+    start_sequence_at(transport, last_seq)
+    ep = transport.ffn_endpoint(EndpointOptions(timeout=timeout))
     experts = experts_for(transport, seed, layers)
-    served: list[tuple[int, int, int, list[int]]] = []
-    protocol_errors: list[str] = []
-    while True:
-        try:
-            item = ep.next_work_item()
-        except ConnectorShutdown:
-            break
-        except ProtocolError as exc:
-            if not tolerate_garbage:
-                raise
-            protocol_errors.append(str(exc))
-            continue
-        if die_after is not None and len(served) >= die_after:
+    linear = experts.compute_for(ep)
+    computed = 0
+
+    def compute(item: WorkItem) -> Any:
+        nonlocal computed
+        if die_after is not None and computed >= die_after:
             os.kill(os.getpid(), signal.SIGKILL)
-        experts.serve(ep, item)
-        served.append((item.replica, item.layer, item.stage, [p.src_rank for p in item.parts]))
-    return {"served": served, "protocol_errors": protocol_errors}
+        computed += 1
+        return linear(item)
+
+    stats = serve(ep, compute, on_protocol_error="skip" if tolerate_garbage else "raise")
+    served = [(r.replica, r.layer, r.stage, list(r.src_ranks)) for r in stats.items]
+    return {
+        "served": served,
+        "protocol_errors": stats.protocol_errors,
+        "last_seq": transport.sequence.last,
+    }
 
 
 def attention_linear(
-    transport: Transport,
+    transport: WindowTransport,
     *,
     seed: int,
     layers: int,
@@ -69,11 +70,13 @@ def attention_linear(
     in_flight: int = 1,
     timeout: float = 30.0,
     garbage_first: bool = False,
+    last_seq: int | None = None,
 ) -> dict[str, Any]:
     """Dispatch ``jobs`` (``in_flight`` at a time), combine, check against a reference."""
-    ep = AttentionEndpoint(transport, timeout=timeout)
+    start_sequence_at(transport, last_seq)
+    ep = transport.attention_endpoint(EndpointOptions(timeout=timeout))
     experts = experts_for(transport, seed, layers)
-    slot = transport.window.slot
+    slot = transport.layout
     dtype = torch_dtype(slot.dtype)
     shared_on_ffn = slot.shared_placement.value == "ffn"
     gen = torch.Generator().manual_seed(seed * 1000 + transport.rank)
@@ -97,20 +100,25 @@ def attention_linear(
             )
             tw = torch.rand(n, k, generator=gen)
             handle = ep.dispatch(job["layer"], x, ids, tw, stage=stage)
-            destinations.append(sorted(handle.expected_ffn))
+            destinations.append(list(handle.ffn_ranks))
             batch.append((job["layer"], x, ids, tw, handle))
         for layer, x, ids, tw, handle in batch:
             out = ep.combine(handle)
             errors.append(relative_error(out, experts.reference(layer, x, ids, tw, shared_on_ffn)))
     ep.announce_shutdown()
     flags = flag_words(transport.local_window(), transport.window)
-    return {"errors": errors, "destinations": destinations, "flags_seen": int(flags.max())}
+    return {
+        "errors": errors,
+        "destinations": destinations,
+        "flags": flags.tolist(),
+        "last_seq": transport.sequence.last,
+    }
 
 
-def attention_forever(transport: Transport, *, timeout: float) -> None:
+def attention_forever(transport: WindowTransport, *, timeout: float) -> None:
     """Keep dispatching and combining until something fails (for the fault tests)."""
-    ep = AttentionEndpoint(transport, timeout=timeout)
-    slot = transport.window.slot
+    ep = transport.attention_endpoint(EndpointOptions(timeout=timeout))
+    slot = transport.layout
     gen = torch.Generator().manual_seed(0)
     dtype = torch_dtype(slot.dtype)
     while True:

@@ -1,43 +1,58 @@
-"""The FFN side: take whichever work item is ready, reply to it.
+"""The FFN side over a window transport: take whichever work item is ready, reply to it.
 
-A work item is one attention DP replica x one layer x one stage. It is ready when every
-participant of the replica has published its part. Among ready items the scan start
-rotates over replicas, so a replica that is ready is served within one round of the
-others however fast they keep sending (no starvation). The FFN side never routes: each
-part arrives grouped by local expert with its group list in the header.
+Implements :class:`~afd_protocol.core.endpoints.FFNEndpoint`. A work item is one
+attention DP replica x one layer x one stage; it is ready when every participant of the
+replica has published its part. Among ready items the scan start rotates over replicas,
+so a replica that is ready is served within one round of the others however fast they
+keep sending (no starvation). The FFN side never routes: each part arrives grouped by
+local expert with its group list in the header.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
-from afd_protocol.endpoint_base import EndpointBase
-from afd_protocol.errors import ConnectorShutdown, PeerTimeout, ProtocolError
-from afd_protocol.header import HEADER_FIXED_WORDS, Header, MessageKind, decode_header
-from afd_protocol.topology import Role
-from afd_protocol.transport import Transport
-from afd_protocol.views import SlotView, slot_view
-from afd_protocol.workitem import WorkItem, WorkItemKey, WorkItemPart
+from afd_protocol.core.endpoints import EndpointOptions
+from afd_protocol.core.errors import ConnectorShutdown, InvalidArgument, PeerTimeout, ProtocolError
+from afd_protocol.core.header import HEADER_FIXED_WORDS, Header, MessageKind, Word, decode_header
+from afd_protocol.core.topology import Role
+from afd_protocol.core.workitem import WorkItem, WorkItemKey, WorkItemPart
+from afd_protocol.window.common import WindowEndpoint
+from afd_protocol.window.transport import Arrivals, WindowTransport
+from afd_protocol.window.views import SlotView, slot_view
 
 
-class FFNEndpoint(EndpointBase):
+@dataclass(frozen=True)
+class _Received:
+    """One part as it arrived: the public view and what the reply needs."""
+
+    part: WorkItemPart
+    ring: int
+    header: Header
+
+
+class WindowFFNEndpoint(WindowEndpoint):
     """Work-item intake and replies for one FFN rank (see the module docstring)."""
 
     role = Role.FFN
 
-    def __init__(
-        self, transport: Transport, *, timeout: float = 30.0, num_layers: int | None = None
-    ) -> None:
-        super().__init__(transport, timeout)
+    def __init__(self, transport: WindowTransport, options: EndpointOptions | None = None) -> None:
+        super().__init__(transport, options)
+
+    def _setup(self) -> None:
+        transport = self._transport
         self._limits = self._slot.header_limits(
-            MessageKind.DISPATCH, self._rank, num_layers=num_layers
+            MessageKind.DISPATCH,
+            self._rank,
+            num_layers=self.options.num_layers,
+            num_stages=self.options.num_stages,
         )
-        ring_depth = self._window.ring_depth
+        rings = range(self._window.ring_depth)
         attention = range(self._topology.num_attention_ranks)
-        rings = range(ring_depth)
         local = transport.local_window()
         self._inbox: list[list[SlotView]] = [
             [slot_view(local, self._window, a, r) for r in rings] for a in attention
@@ -48,11 +63,10 @@ class FFNEndpoint(EndpointBase):
         ]
         self._watch = [(a, r) for a in attention for r in rings]
         self._watch_indices = [self._window.flag_index(a, r) for a, r in self._watch]
-        self._seen = [0] * len(self._watch)
-        self._parts: dict[WorkItemKey, dict[int, WorkItemPart]] = {}
+        self._parts: dict[WorkItemKey, dict[int, _Received]] = {}
         self._arrival: dict[WorkItemKey, int] = {}
         self._counter = itertools.count()
-        self._in_service: dict[WorkItemKey, WorkItem] = {}
+        self._in_service: dict[WorkItemKey, tuple[WorkItem, list[_Received]]] = {}
         self._finished: set[int] = set()
         self._next_replica = 0
 
@@ -64,11 +78,9 @@ class FFNEndpoint(EndpointBase):
     def next_work_item(self, timeout: float | None = None) -> WorkItem:
         """The next ready work item (zero-copy views into this rank's window).
 
-        Raises :class:`ConnectorShutdown` once every attention rank announced shutdown
-        and nothing is left, :class:`PeerTimeout` if nothing became ready in time,
-        :class:`PeerAborted` if an attention rank failed, and :class:`ProtocolError` for
-        a malformed slot (the slot is then skipped; the endpoint stays usable).
+        See :meth:`afd_protocol.core.endpoints.FFNEndpoint.next_work_item`.
         """
+        self._check_open()
         limit = self._timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while True:
@@ -77,10 +89,11 @@ class FFNEndpoint(EndpointBase):
                 return item
             if len(self._finished) == self._topology.num_attention_ranks and not self._parts:
                 raise ConnectorShutdown(f"FFN rank {self._rank}: every attention rank shut down")
+            seen = self._transport.seen
             try:
-                values = self._transport.wait_any(
+                arrivals = self._transport.wait_any(
                     self._watch_indices,
-                    self._seen,
+                    [seen[i] for i in self._watch_indices],
                     max(0.0, deadline - time.monotonic()),
                     # A rank that announced shutdown may exit: stop watching its liveness.
                     peers=[
@@ -93,26 +106,28 @@ class FFNEndpoint(EndpointBase):
                 raise PeerTimeout(
                     f"FFN rank {self._rank}: no work item became ready within {limit:g} s"
                 ) from None
-            self._ingest(values)
+            self._ingest(arrivals)
 
-    def _ingest(self, values: list[int]) -> None:
+    def _ingest(self, arrivals: Arrivals) -> None:
         errors = []
-        for i, (value, old) in enumerate(zip(values, self._seen, strict=True)):
-            if value == old:
+        seen = self._transport.seen
+        for (src, ring), index, value in zip(
+            self._watch, self._watch_indices, arrivals.values, strict=True
+        ):
+            if value == seen[index]:
                 continue
-            self._seen[i] = value
-            src, ring = self._watch[i]
+            seen[index] = value
             try:
-                self._accept(src, ring, value)
+                self._accept(src, ring, index, value, arrivals)
             except ProtocolError as exc:
                 errors.append(str(exc))
         if errors:
             raise ProtocolError("; ".join(errors))
 
-    def _accept(self, src: int, ring: int, flag: int) -> None:
+    def _accept(self, src: int, ring: int, index: int, flag: int, arrivals: Arrivals) -> None:
         view = self._inbox[src][ring]
         where = f"slot from attention rank {src} (ring {ring})"
-        words = self._transport.read_header(self._window.flag_index(src, ring), flag, view.header)
+        words = self._header_words(arrivals, index, view)
         try:
             header = decode_header(words, self._limits)
         except ProtocolError as exc:
@@ -133,17 +148,17 @@ class FFNEndpoint(EndpointBase):
                 f"stage {header.stage} again before it was answered"
             )
         self._parts[key] = parts
-        parts[src] = WorkItemPart(
+        part = WorkItemPart(
             src_rank=src,
-            ring=ring,
-            header=header,
+            num_tokens=header.num_tokens,
             routed_rows=view.routed_rows[: header.routed_rows],
             shared_rows=view.shared_rows[: header.shared_rows],
             # Taken from the header on the window's device, so an accelerator consumes the
             # counts where they landed (no host-to-device copy of the group list).
             group_list=view.header[HEADER_FIXED_WORDS : header.num_words].to(torch.int64),
-            header_words=view.header[: header.num_words],
+            layer_index=view.header[Word.LAYER : Word.LAYER + 1],
         )
+        parts[src] = _Received(part, ring, header)
         self._arrival.setdefault(key, next(self._counter))
 
     def _pick_ready(self) -> WorkItem | None:
@@ -163,8 +178,9 @@ class FFNEndpoint(EndpointBase):
                 self._next_replica = (replica + 1) % replicas
                 parts = self._parts.pop(key)
                 del self._arrival[key]
-                item = WorkItem(key, tuple(parts[s] for s in sorted(parts)))
-                self._in_service[key] = item
+                received = [parts[s] for s in sorted(parts)]
+                item = WorkItem(key, tuple(r.part for r in received))
+                self._in_service[key] = (item, received)
                 return item
         return None
 
@@ -173,31 +189,36 @@ class FFNEndpoint(EndpointBase):
     ) -> None:
         """Write ``item``'s outputs into its sources' windows and publish them.
 
-        ``routed_out`` has one row per routed row of the item, parts concatenated in
-        ``item.parts`` order (each part grouped by local expert, as received);
-        ``shared_out`` likewise for shared rows. The item's views must not be used after
-        this call: the attention side may reuse the slot as soon as it sees the reply.
+        See :meth:`afd_protocol.core.endpoints.FFNEndpoint.reply`.
         """
-        if self._in_service.get(item.key) is not item:
-            raise ProtocolError(
+        self._check_open()
+        entry = self._in_service.get(item.key)
+        if entry is None or entry[0] is not item:
+            raise InvalidArgument(
                 f"FFN rank {self._rank}: reply to a work item that is not in service "
                 f"(replica {item.replica}, layer {item.layer}, stage {item.stage}); each item "
                 f"is answered exactly once"
             )
         hidden = self._slot.hidden_size
-        num_shared = sum(p.header.shared_rows for p in item.parts)
+        num_shared = item.num_shared_rows
         if tuple(routed_out.shape) != (item.num_routed_rows, hidden):
-            raise ProtocolError(
+            raise InvalidArgument(
                 f"routed_out has shape {tuple(routed_out.shape)}, expected "
                 f"[{item.num_routed_rows}, {hidden}]"
             )
         if num_shared and (shared_out is None or tuple(shared_out.shape) != (num_shared, hidden)):
             got = None if shared_out is None else tuple(shared_out.shape)
-            raise ProtocolError(f"shared_out has shape {got}, expected [{num_shared}, {hidden}]")
+            raise InvalidArgument(f"shared_out has shape {got}, expected [{num_shared}, {hidden}]")
+        for name, out in (("routed_out", routed_out), ("shared_out", shared_out)):
+            if out is not None and out.numel() and out.dtype != self.dtype:
+                raise InvalidArgument(
+                    f"{name} is {out.dtype} but the window carries {self.dtype}; cast it first"
+                )
         routed_at = shared_at = 0
-        for part in item.parts:
-            rows, shared = part.header.routed_rows, part.header.shared_rows
-            view = self._outbox[part.src_rank][part.ring]
+        for received in entry[1]:
+            sent = received.header
+            rows, shared = sent.routed_rows, sent.shared_rows
+            view = self._outbox[sent.src_rank][received.ring]
             if rows:
                 view.routed_rows[:rows].copy_(routed_out[routed_at : routed_at + rows])
             if shared and shared_out is not None:
@@ -207,22 +228,23 @@ class FFNEndpoint(EndpointBase):
             header = Header(
                 MessageKind.REPLY,
                 src_rank=self._rank,
-                layer=part.header.layer,
-                stage=part.header.stage,
-                num_tokens=part.header.num_tokens,
+                layer=sent.layer,
+                stage=sent.stage,
+                num_tokens=sent.num_tokens,
                 routed_rows=rows,
                 shared_rows=shared,
-                seq=self._next_seq(),
-                answer_seq=part.header.seq,
-                expert_counts=part.header.expert_counts,
+                seq=self._transport.sequence.next(),
+                answer_seq=sent.seq,
+                expert_counts=sent.expert_counts,
             )
-            self._write_and_publish(view, header, part.src_rank, part.ring)
+            self._write_and_publish(view, header, sent.src_rank, received.ring)
         del self._in_service[item.key]
 
     def announce_shutdown(self) -> None:
         """Tell every attention rank that this FFN rank serves no more work."""
         if self._shutdown_announced:
             return
+        self._check_open()
         for src in range(self._topology.num_attention_ranks):
             header = self._shutdown_header(MessageKind.REPLY, self._rank)
             self._write_and_publish(self._outbox[src][0], header, src, 0)

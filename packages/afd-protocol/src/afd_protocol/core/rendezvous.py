@@ -1,0 +1,356 @@
+"""Start-up and shutdown agreement between the ranks of one AFD world, over a key-value store.
+
+Every transport needs the same few agreements before and after it moves a byte: each rank
+publishes who it is (pid and process start time, for liveness) and its window geometry,
+checks that every peer derived the same geometry (naming the first parameter that
+differs), waits at barriers ("every peer mapped my window", "every rank passed its
+checks", "every rank reached close"), and fails fast -- never by timing out -- when a peer
+reported a failure or its process is gone. :class:`Rendezvous` does all of this once,
+over any :class:`KeyValueStore`:
+
+* :class:`DirectoryStore` -- files in a private directory (no port; what the process
+  launcher and the shared-memory transport use);
+* :class:`TcpStore` -- a ``torch.distributed.TCPStore`` on 127.0.0.1 (what ranks started
+  independently use);
+* any object with ``set``/``get``/``check`` (an engine's own store).
+
+Liveness is judged from ``/proc`` (pid plus start time, so a reused pid is not mistaken
+for the peer): every transport built on this rendezvous runs its ranks on one machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from afd_protocol.core.errors import AFDError, PeerAborted, PeerTimeout
+from afd_protocol.core.layout import check_same_geometry
+from afd_protocol.core.topology import Role, Topology
+
+
+class KeyValueStore(Protocol):
+    """What a rendezvous needs from a store.
+
+    ``get`` blocks until the key exists (up to the store's own timeout, then raises
+    :class:`PeerTimeout`); ``check`` tells without blocking whether every key exists.
+    """
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+
+# ---- liveness -----------------------------------------------------------------------
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (None if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[19])
+
+
+def process_alive(pid: int, start_time: int | None) -> bool:
+    """True while ``pid`` is the same process and has not exited (zombies count as dead)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0] not in ("Z", "X", "x") and int(fields[19]) == start_time
+
+
+# ---- stores -------------------------------------------------------------------------
+
+
+class DirectoryStore:
+    """A key-value store in a directory private to this user (mode 0700).
+
+    Each key is one file, written by an atomic rename, so a reader sees a whole value or
+    nothing. ``get`` polls with exponential back-off up to ``timeout`` seconds.
+    """
+
+    def __init__(self, path: str | Path, timeout: float = 60.0) -> None:
+        self.path = Path(path)
+        self.timeout = timeout
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise AFDError(f"cannot create the rendezvous directory {self.path}: {exc}") from exc
+        info = self.path.stat()
+        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+            raise AFDError(
+                f"rendezvous directory {self.path} must belong to this user with mode 0700"
+            )
+
+    def _file(self, key: str) -> Path:
+        return self.path / (urllib.parse.quote(key, safe="") + ".kv")
+
+    def set(self, key: str, value: bytes) -> None:
+        target = self._file(key)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(bytes(value))
+        os.replace(tmp, target)
+
+    def read(self, key: str) -> bytes | None:
+        """The value of ``key``, or None when it is not set (never blocks)."""
+        try:
+            return self._file(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._file(k).exists() for k in keys)
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while True:
+            value = self.read(key)
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(
+                    f"store key {key!r} did not appear within {self.timeout:g} s in {self.path}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def items(self, prefix: str = "") -> dict[str, bytes]:
+        """Every key starting with ``prefix`` and its value (for teardown and diagnostics)."""
+        out = {}
+        for file in self.path.glob("*.kv"):
+            key = urllib.parse.unquote(file.name[: -len(".kv")])
+            if key.startswith(prefix):
+                value = self.read(key)
+                if value is not None:
+                    out[key] = value
+        return out
+
+
+DEFAULT_TCP_PORT = 29517
+ENV_TCP_PORT = "AFD_STORE_PORT"
+
+
+class TcpStore:
+    """A ``torch.distributed.TCPStore`` on 127.0.0.1, hosted by world rank 0.
+
+    The port is ``port``, else ``AFD_STORE_PORT``, else 29517 -- the same on every rank.
+    Timeouts become :class:`PeerTimeout` naming the key and the port.
+    """
+
+    def __init__(
+        self, world_rank: int, world_size: int, timeout: float = 60.0, port: int | None = None
+    ) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported
+
+        self.port = (
+            port if port is not None else int(os.environ.get(ENV_TCP_PORT, DEFAULT_TCP_PORT))
+        )
+        self.timeout = timeout
+        try:
+            self._store = TCPStore(
+                "127.0.0.1",
+                self.port,
+                world_size,
+                is_master=world_rank == 0,
+                timeout=timedelta(seconds=timeout),
+            )
+        except RuntimeError as exc:
+            raise PeerTimeout(
+                f"cannot reach or host the store on 127.0.0.1:{self.port} ({exc}); set "
+                f"{ENV_TCP_PORT} to a free port, the same on every rank"
+            ) from exc
+
+    def set(self, key: str, value: bytes) -> None:
+        # TCPStore takes bytes at run time (its stub says str); a str would be UTF-8 encoded.
+        self._store.set(key, value)  # type: ignore[arg-type]
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._store.check(keys))
+
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self._store.get(key))
+        except RuntimeError as exc:
+            raise PeerTimeout(
+                f"store key {key!r} did not appear within {self.timeout:g} s on "
+                f"127.0.0.1:{self.port}"
+            ) from exc
+
+
+# ---- the rendezvous -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What one rank published when it joined."""
+
+    world_rank: int
+    who: str
+    pid: int
+    start_time: int | None
+    extra: Mapping[str, Any]
+    """Whatever the transport added (a segment path, a GPU id, ...)."""
+
+
+class Rendezvous:
+    """One rank's side of the agreements with its peers (see the module docstring).
+
+    Keys live under ``namespace``: ``{ns}/rank/{w}`` (the joined record),
+    ``{ns}/failed/{w}`` (why rank ``w`` failed) and ``{ns}/{barrier}/{w}``.
+    """
+
+    def __init__(
+        self,
+        store: KeyValueStore,
+        topology: Topology,
+        role: Role,
+        rank: int,
+        *,
+        namespace: str = "afd",
+        liveness_interval: float = 0.05,
+    ) -> None:
+        self.store = store
+        self.topology = topology
+        self.world_rank = topology.world_rank(role, rank)
+        self.who = f"{role.value} rank {rank}"
+        self._ns = namespace
+        self._liveness_interval = liveness_interval
+        self._peers: dict[int, PeerRecord] = {}
+
+    def key(self, kind: str, world_rank: int) -> str:
+        return f"{self._ns}/{kind}/{world_rank}"
+
+    def describe(self, world_rank: int) -> str:
+        role, rank = self.topology.role_of(world_rank)
+        return f"{role.value} rank {rank}"
+
+    def join(
+        self,
+        geometry: Mapping[str, object],
+        peers: Sequence[int],
+        timeout: float,
+        **extra: Any,
+    ) -> dict[int, PeerRecord]:
+        """Publish this rank's record, then wait for every peer's and compare geometries.
+
+        ``peers`` are world ranks. Raises :class:`~afd_protocol.core.errors.TopologyError`
+        naming the first differing parameter, :class:`PeerAborted` when a peer failed
+        first, :class:`PeerTimeout` naming who is missing. On any failure this rank's own
+        failure is published, so its peers stop waiting at once.
+        """
+        record = {
+            "who": self.who,
+            "pid": os.getpid(),
+            "start_time": process_start_time(os.getpid()),
+            "geometry": dict(geometry),
+            **extra,
+        }
+        self.store.set(self.key("rank", self.world_rank), json.dumps(record).encode())
+        try:
+            self._wait("rank", peers, timeout, f"{self.who} waiting for its peers to start")
+            for w in peers:
+                raw = json.loads(self.store.get(self.key("rank", w)))
+                check_same_geometry(geometry, raw["geometry"], peer=self.describe(w))
+                known = {"who", "pid", "start_time", "geometry"}
+                self._peers[w] = PeerRecord(
+                    world_rank=w,
+                    who=raw["who"],
+                    pid=int(raw["pid"]),
+                    start_time=raw["start_time"],
+                    extra={k: v for k, v in raw.items() if k not in known},
+                )
+        except BaseException as exc:
+            self.fail(str(exc) or type(exc).__name__)
+            raise
+        return {w: self._peers[w] for w in peers}
+
+    def barrier(self, name: str, peers: Sequence[int], timeout: float | None) -> None:
+        """Arrive at barrier ``name`` and wait until every rank in ``peers`` arrived.
+
+        Raises :class:`PeerAborted` as soon as a peer reported a failure or its process is
+        gone, :class:`PeerTimeout` after ``timeout`` seconds (None: no deadline -- the wait
+        still ends when a peer dies).
+        """
+        self.store.set(self.key(name, self.world_rank), b"1")
+        self._wait(name, peers, timeout, f"{self.who} at the {name!r} barrier")
+
+    def fail(self, reason: str) -> None:
+        """Tell every peer that this rank failed (best effort: the store may be gone)."""
+        # Failing is already under way: a store that is gone must not hide the first error.
+        with contextlib.suppress(Exception):
+            self.store.set(self.key("failed", self.world_rank), reason.encode())
+
+    def check_alive(self, peers: Sequence[int]) -> None:
+        """Raise :class:`PeerAborted` naming every joined peer whose process is gone."""
+        dead = [w for w in peers if w in self._peers and not self._alive(w)]
+        if dead:
+            names = ", ".join(f"{self.describe(w)} (pid {self._peers[w].pid})" for w in dead)
+            raise PeerAborted(f"{self.who}: {names} exited")
+
+    def _alive(self, world_rank: int) -> bool:
+        peer = self._peers[world_rank]
+        return process_alive(peer.pid, peer.start_time)
+
+    def _failure(self, peers: Sequence[int]) -> str | None:
+        """Why some peer failed or died, or None when all are fine."""
+        for w in peers:
+            failed = self.key("failed", w)
+            if self.store.check([failed]):
+                reason = self.store.get(failed).decode(errors="replace")
+                return f"{self.describe(w)} failed: {reason}"
+            if w in self._peers and not self._alive(w):
+                return f"{self.describe(w)} (pid {self._peers[w].pid}) exited"
+        return None
+
+    def _wait(self, kind: str, peers: Sequence[int], timeout: float | None, what: str) -> None:
+        keys = [self.key(kind, w) for w in peers]
+        start = time.monotonic()
+        next_check = start
+        delay = 0.001
+        while not self.store.check(keys):
+            now = time.monotonic()
+            if now >= next_check:
+                why = self._failure(peers)
+                if why is not None:
+                    raise PeerAborted(f"{what}: {why}")
+                next_check = now + self._liveness_interval
+            if timeout is not None and now - start >= timeout:
+                missing = [
+                    self.describe(w)
+                    for w, k in zip(peers, keys, strict=True)
+                    if not self.store.check([k])
+                ]
+                raise PeerTimeout(
+                    f"{what}: no word from {', '.join(missing)} within {timeout:g} s; start every "
+                    f"rank with the same rendezvous store, or raise the connect timeout"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+
+__all__ = [
+    "DirectoryStore",
+    "KeyValueStore",
+    "PeerRecord",
+    "Rendezvous",
+    "TcpStore",
+    "process_alive",
+    "process_start_time",
+]

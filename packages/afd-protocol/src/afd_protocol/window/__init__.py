@@ -1,0 +1,57 @@
+"""The window layer: AFD over windows that peers write into, with flags and abort words.
+
+Above the contract core: a bytes-and-flags transport interface
+(:class:`WindowTransport`), the window endpoints that implement the core's endpoint
+protocols over it (:class:`WindowAttentionEndpoint`, :class:`WindowFFNEndpoint`, and
+:class:`KernelAttentionEndpoint` for backends with device kernels), the kernel
+specifications with their torch references (:mod:`afd_protocol.window.kernels`), and an
+in-process loopback transport for step-by-step tests. The shared-memory transport
+(:mod:`afd_protocol.shm`) and the NVSHMEM transport build on it.
+"""
+
+from afd_protocol.window.attention import WindowAttentionEndpoint, WindowDispatch
+from afd_protocol.window.ffn import WindowFFNEndpoint
+from afd_protocol.window.kernel_attention import KernelAttentionEndpoint
+from afd_protocol.window.kernels import (
+    REFERENCE_KERNELS,
+    CombineInputs,
+    DevicePack,
+    FusedCombine,
+    PackInputs,
+    WindowKernels,
+    reference_device_pack,
+    reference_fused_combine,
+)
+from afd_protocol.window.loopback import LoopbackTransport, LoopbackWorld
+from afd_protocol.window.options import WindowOptions
+from afd_protocol.window.pinned import HeaderUpload, PinnedReadback, PinnedUpload
+from afd_protocol.window.transport import Arrivals, SequenceCounter, WindowTransport
+from afd_protocol.window.views import SlotView, abort_words, flag_words, slot_view
+
+__all__ = [
+    "REFERENCE_KERNELS",
+    "Arrivals",
+    "CombineInputs",
+    "DevicePack",
+    "FusedCombine",
+    "HeaderUpload",
+    "KernelAttentionEndpoint",
+    "LoopbackTransport",
+    "LoopbackWorld",
+    "PackInputs",
+    "PinnedReadback",
+    "PinnedUpload",
+    "SequenceCounter",
+    "SlotView",
+    "WindowAttentionEndpoint",
+    "WindowDispatch",
+    "WindowFFNEndpoint",
+    "WindowKernels",
+    "WindowOptions",
+    "WindowTransport",
+    "abort_words",
+    "flag_words",
+    "reference_device_pack",
+    "reference_fused_combine",
+    "slot_view",
+]

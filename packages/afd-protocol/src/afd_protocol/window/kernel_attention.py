@@ -1,0 +1,174 @@
+"""The attention window endpoint with a backend's device kernels (:mod:`.kernels`).
+
+Chosen once, when the endpoint is made, by a backend that has kernels (the NVSHMEM
+transport passes its Triton kernels; tests pass :data:`~.kernels.REFERENCE_KERNELS`):
+
+* **fused combine** (``combine="auto"`` or ``"fused"``): the plan's segment bounds go to
+  the device with the dispatch (through pinned memory, no host wait), and ``combine``
+  runs one kernel that reads every token's reply rows where they landed;
+* **device pack** (``device_pack=True``, opt-in): when no FFN rank can overflow even if
+  every row went to it, the plan stays on the device (:func:`~afd_protocol.core.plan.
+  plan_on_device`) and one kernel writes every destination's rows and complete header.
+  Every FFN rank is then published to (one that got nothing serves an empty part), and
+  the expert-id range check, read back behind the pack, is raised at ``combine``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_protocol.core.endpoints import EndpointOptions
+from afd_protocol.core.errors import InvalidArgument
+from afd_protocol.core.header import HEADER_FIXED_WORDS, encode_words
+from afd_protocol.core.plan import (
+    DevicePlan,
+    DispatchPlan,
+    WireOrder,
+    check_expert_bounds,
+    plan_on_device,
+)
+from afd_protocol.window.attention import ExpectedReply, WindowAttentionEndpoint, WindowDispatch
+from afd_protocol.window.kernels import CombineInputs, PackInputs, WindowKernels
+from afd_protocol.window.pinned import PinnedReadback, PinnedUpload
+from afd_protocol.window.transport import WindowTransport
+
+
+class KernelAttentionEndpoint(WindowAttentionEndpoint):
+    """:class:`~.attention.WindowAttentionEndpoint` with device kernels (module docstring)."""
+
+    def __init__(
+        self,
+        transport: WindowTransport,
+        options: EndpointOptions | None,
+        kernels: WindowKernels,
+    ) -> None:
+        self._kernels = kernels
+        super().__init__(transport, options)
+
+    def _setup(self) -> None:
+        super()._setup()
+        kernels = self._kernels
+        transport = self._transport
+        self._fused = self.options.combine != "portable"
+        self._pack = kernels.device_pack if self.options.device_pack else None
+        device = transport.device
+        ffn_ranks = range(self._topology.num_ffn_ranks)
+        rings = range(self._window.ring_depth)
+        dtype = self.dtype
+        self._rows = transport.local_window().view(dtype)
+
+        def starts(field: str, ring: int) -> torch.Tensor:
+            offsets = [
+                self._window.field_offset(d, ring, field) // dtype.itemsize for d in ffn_ranks
+            ]
+            return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+        self._uploads = PinnedUpload(device)
+        self._segments = [
+            torch.zeros(self._topology.num_ffn_ranks + 1, dtype=torch.int64, device=device)
+            for _ in rings
+        ]
+        self._routed_starts = [starts("routed_rows", r) for r in rings]
+        self._shared_starts = (
+            [starts("shared_rows", r) for r in rings] if self._slot.shared_cap else None
+        )
+        shape = (self._topology.num_ffn_ranks, HEADER_FIXED_WORDS)
+        self._fixed_words = [torch.zeros(shape, dtype=torch.int32, device=device) for _ in rings]
+        self._readback = PinnedReadback(device)
+
+    def _check_kernel_options(self) -> None:
+        if self.options.device_pack and self._kernels.device_pack is None:
+            raise InvalidArgument(
+                f"device_pack=True, but the kernels of {type(self._transport).__name__} have no "
+                f"device pack; use device_pack=False"
+            )
+
+    def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
+        if self._packs_on_device(topk_ids):
+            return plan_on_device(topk_ids, self._topology, self._slot.shared_placement)
+        return super()._plan(topk_ids)
+
+    def _packs_on_device(self, topk_ids: torch.Tensor) -> bool:
+        """Whether this dispatch can skip the host read of the counts: no destination can
+        overflow even if every row goes to it (and there is something to send)."""
+        num_tokens, topk = topk_ids.shape
+        slot = self._slot
+        return (
+            self._pack is not None
+            and 0 < num_tokens <= slot.token_cap
+            and num_tokens * topk <= slot.routed_cap
+        )
+
+    def _send(self, handle: WindowDispatch, hidden_states: torch.Tensor) -> None:
+        plan = handle.plan
+        if isinstance(plan, DevicePlan):
+            self._send_packed(handle, plan, hidden_states)
+            handle.device_segments = plan.segment_offsets
+        else:
+            super()._send(handle, hidden_states)
+            assert isinstance(plan, DispatchPlan)
+            if self._fused:
+                segments = self._segments[handle.ring]
+                self._uploads.copy(segments, plan.segment_offsets, handle.ring)
+                handle.device_segments = segments
+        if handle.device_segments is not None:
+            # Ready before the replies are: computed while the FFN ranks work.
+            plan.wire_position  # noqa: B018 - computes and caches it now
+
+    def _send_packed(
+        self, handle: WindowDispatch, plan: DevicePlan, hidden_states: torch.Tensor
+    ) -> None:
+        """Every FFN rank gets this layer: rows and headers written by the device pack."""
+        assert self._pack is not None
+        ring = handle.ring
+        ffn_ranks = range(self._topology.num_ffn_ranks)
+        fixed: list[int] = []
+        headers = []
+        for dest in ffn_ranks:
+            # ROUTED_ROWS, the counts and the checksum are left for the pack to write.
+            counts = (0,) * self._slot.num_local_experts(dest)
+            header = self._dispatch_header(handle, hidden_states, dest, 0, counts)
+            fixed += encode_words(header)[:HEADER_FIXED_WORDS]
+            headers.append(header)
+        self._uploads.copy(self._fixed_words[ring].view(-1), fixed, ("fixed", ring))
+        views = [self._send_views[d][ring] for d in ffn_ranks]
+        self._pack(
+            PackInputs(
+                hidden=hidden_states,
+                plan=plan,
+                rank_wire_offsets=self._topology.expert_placement.rank_wire_offsets,
+                fixed_words=self._fixed_words[ring],
+                routed_rows=tuple(v.routed_rows for v in views),
+                route_index=tuple(v.route_index for v in views),
+                headers=tuple(v.header for v in views),
+            )
+        )
+        self._readback.start(plan.expert_bounds, ring)
+        for dest, header in zip(ffn_ranks, headers, strict=True):
+            self._transport.publish(dest, self._window.flag_index(self._rank, ring), header.seq)
+            handle.expected[dest] = ExpectedReply(header.seq, None, header.shared_rows)
+
+    def _combine_arrived(self, handle: WindowDispatch) -> torch.Tensor:
+        plan = handle.plan
+        ring = handle.ring
+        if isinstance(plan, DevicePlan):
+            # The range check the host plan makes before writing: the bounds were read back
+            # behind the pack, and the replies arriving means the stream got past it.
+            low, high = self._readback.read(ring)
+            if low < 0 or high >= self._topology.num_experts:
+                self._release(ring)
+                check_expert_bounds(low, high, self._topology.num_experts)
+        if handle.device_segments is None:
+            return super()._combine_arrived(handle)
+        return self._kernels.fused_combine(
+            CombineInputs(
+                rows=self._rows,
+                routed_starts=self._routed_starts[ring],
+                shared_starts=None if self._shared_starts is None else self._shared_starts[ring],
+                segment_offsets=handle.device_segments,
+                wire_position=plan.wire_position,
+                topk_weights=handle.topk_weights,
+                hidden_size=self._slot.hidden_size,
+                out_dtype=handle.dtype,
+            )
+        )

@@ -1,0 +1,156 @@
+"""Device kernels a window endpoint can use, as specifications with torch references.
+
+A window endpoint does its work with portable torch ops. Hardware that can do better
+supplies kernels for two steps, through :class:`WindowKernels`; each kernel is specified
+here by its inputs and a reference implementation in torch that the kernel is tested
+against, so a kernel never sees an endpoint and an endpoint never sees a kernel's code.
+
+Fused combine
+-------------
+The portable combine (:func:`~afd_protocol.core.plan.combine_scatter`, once per FFN rank)
+widens every reply row to fp32, weights it and adds it into an fp32 accumulator with
+atomics: on a GPU that is several passes over the reply bytes and a dozen launches per
+layer. A fused combine reads each token's ``k`` reply rows straight out of the window
+where they landed, weights them in registers and writes the output once. Everything it
+needs is described by positions in this rank's window (:class:`CombineInputs`):
+
+* ``rows`` -- the local window viewed as a flat tensor of the activation dtype;
+* ``routed_starts[d]`` -- the element offset in ``rows`` of FFN rank ``d``'s reply rows
+  (``shared_starts[d]`` likewise for shared-expert rows, ``None`` when the attention side
+  computes the shared experts);
+* ``segment_offsets`` -- the plan's segment bounds (``[F + 1]``, int64, on the device): wire
+  position ``i`` belongs to FFN rank ``d`` when ``segment_offsets[d] <= i < ...[d + 1]``
+  and is that rank's reply row ``i - segment_offsets[d]``;
+* ``wire_position`` -- the plan's wire position of each partial ``t * k + j``;
+* shared rows follow the round-robin split of :func:`~afd_protocol.core.plan.plan_dispatch`:
+  token ``t`` is FFN rank ``t % F``'s shared row ``t // F``.
+
+Device pack
+-----------
+The portable dispatch (:func:`~afd_protocol.core.plan.plan_dispatch`, then one
+``index_select`` per FFN rank) reads the per-expert counts to the host, because the sender
+slices each destination's rows with them. That read waits for the router's output, so the
+host cannot run ahead of the device at any MoE layer. When the batch cannot overflow any
+destination (``num_tokens * topk <= routed_cap``: even all rows to one rank fit), nothing
+on the host needs the counts: :func:`~afd_protocol.core.plan.plan_on_device` keeps the
+plan on the device, and a device pack writes every destination's routed rows, their
+source tokens and the complete header (``ROUTED_ROWS``, the expert counts and the
+checksum computed on the device; every other word prepared on the host in
+``fixed_words``) in one pass (:class:`PackInputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from afd_protocol.core.header import CHECKSUM_SALT, Word
+from afd_protocol.core.plan import DevicePlan
+
+
+@dataclass(frozen=True)
+class CombineInputs:
+    """Everything a fused combine reads, as positions in the local window (module docstring)."""
+
+    rows: torch.Tensor
+    routed_starts: torch.Tensor
+    shared_starts: torch.Tensor | None
+    segment_offsets: torch.Tensor
+    wire_position: torch.Tensor
+    topk_weights: torch.Tensor
+    hidden_size: int
+    out_dtype: torch.dtype
+
+
+FusedCombine = Callable[[CombineInputs], torch.Tensor]
+"""``out[t] = sum_j w[t, j] * reply(t, j) (+ shared(t))``, accumulated in fp32."""
+
+
+def reference_fused_combine(inputs: CombineInputs) -> torch.Tensor:
+    """The fused combine written with torch ops (see the module docstring)."""
+    rows, hidden = inputs.rows, inputs.hidden_size
+    num_tokens, topk = inputs.topk_weights.shape
+    num_ffn = inputs.routed_starts.numel()
+    columns = torch.arange(hidden, device=rows.device)
+    wire, bounds = inputs.wire_position, inputs.segment_offsets
+    dest = torch.bucketize(wire, bounds[1:-1], right=True)
+    starts = inputs.routed_starts[dest] + (wire - bounds[dest]) * hidden
+    values = rows[starts[:, None] + columns].float().view(num_tokens, topk, hidden)
+    out = (values * inputs.topk_weights.float()[..., None]).sum(dim=1)
+    if inputs.shared_starts is not None:
+        tokens = torch.arange(num_tokens, device=rows.device)
+        shared = inputs.shared_starts[tokens % num_ffn] + (tokens // num_ffn) * hidden
+        out += rows[shared[:, None] + columns].float()
+    return out.to(inputs.out_dtype)
+
+
+@dataclass(frozen=True)
+class PackInputs:
+    """What a device pack reads and writes; every per-destination view is in a peer window."""
+
+    hidden: torch.Tensor
+    """``[T, H]``: the rows to send."""
+    plan: DevicePlan
+    rank_wire_offsets: tuple[int, ...]
+    """FFN rank ``d``'s experts are wire positions ``[o[d], o[d + 1])`` (host copy)."""
+    fixed_words: torch.Tensor
+    """int32 ``[F, HEADER_FIXED_WORDS]`` on the device: each destination's header words
+    except ROUTED_ROWS and CHECKSUM, which the pack computes."""
+    routed_rows: tuple[torch.Tensor, ...]
+    """Per destination, ``[routed_cap, H]``: where its rows go."""
+    route_index: tuple[torch.Tensor, ...]
+    """Per destination, int32 ``[routed_cap]``: the source token of each row."""
+    headers: tuple[torch.Tensor, ...]
+    """Per destination, the int32 header field of the slot."""
+
+
+DevicePack = Callable[[PackInputs], None]
+"""Writes rows, source tokens and headers for every destination (module docstring)."""
+
+
+def checksum_weights(num_words: int, device: torch.device) -> torch.Tensor:
+    """int64 position weights of the header checksum (0 at CHECKSUM), as a tensor."""
+    weights = torch.arange(num_words, dtype=torch.long, device=device) * 2 + 1
+    weights[Word.CHECKSUM] = 0
+    return weights
+
+
+def reference_device_pack(inputs: PackInputs) -> None:
+    """The device pack written with torch ops (see the module docstring)."""
+    plan = inputs.plan
+    segments = plan.segment_offsets
+    wire = torch.arange(plan.row_token.numel(), device=segments.device)
+    dest_of = torch.bucketize(wire, segments[1:-1], right=True)
+    row_of = wire - segments[dest_of]
+    offsets = inputs.rank_wire_offsets
+    for dest in range(len(inputs.headers)):
+        mine = (dest_of == dest).nonzero().squeeze(1)
+        rows, tokens = row_of[mine], plan.row_token[mine]
+        inputs.routed_rows[dest][rows] = inputs.hidden[tokens]
+        inputs.route_index[dest][rows] = tokens.to(torch.int32)
+        counts = plan.expert_counts[offsets[dest] : offsets[dest + 1]]
+        words = torch.cat([inputs.fixed_words[dest].long(), counts])
+        words[Word.ROUTED_ROWS] = segments[dest + 1] - segments[dest]
+        words[Word.CHECKSUM] = 0
+        total = (words * checksum_weights(words.numel(), words.device)).sum() + CHECKSUM_SALT
+        unsigned = total & 0xFFFFFFFF
+        words[Word.CHECKSUM] = unsigned - (unsigned >= (1 << 31)).long() * (1 << 32)
+        inputs.headers[dest][: words.numel()] = words.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class WindowKernels:
+    """The device kernels one kind of hardware offers a window endpoint.
+
+    ``device_pack`` is used only together with ``fused_combine`` (a packed dispatch's
+    counts never come to the host, so only the fused kernel can combine its replies).
+    """
+
+    fused_combine: FusedCombine
+    device_pack: DevicePack | None = None
+
+
+REFERENCE_KERNELS = WindowKernels(reference_fused_combine, reference_device_pack)
+"""The torch references as kernels: the kernel endpoint's logic, testable on any device."""

@@ -1,0 +1,198 @@
+"""The window transport interface: the few operations a byte-moving backend provides.
+
+A window transport owns one rank's *window* (a buffer its opposite-role peers write
+into) and maps the windows of its opposite-role peers. The window endpoints
+(:mod:`afd_protocol.window.attention`, :mod:`afd_protocol.window.ffn`) are written once
+against this interface; a backend only moves bytes and flags:
+
+* :meth:`WindowTransport.local_window` / :meth:`WindowTransport.peer_window` -- flat
+  ``uint8`` tensors over this rank's window and a peer's mapped window. Writes into a peer
+  window are one-sided (``copy_``/``index_select(out=...)`` into the view).
+* :meth:`WindowTransport.publish` -- make every earlier write into a peer's window
+  visible, then set one flag word there. A receiver that sees the flag therefore sees a
+  complete payload; each backend's docstring states why that holds on its hardware.
+* :meth:`WindowTransport.wait_any` -- block until one of a set of this window's flag
+  words differs from the value last seen, with a timeout; fail fast if a watched peer set
+  its abort word or died. A backend whose wait brings the arrived slots' headers to the
+  host together with the flags returns them in :class:`Arrivals`, so learning what
+  arrived costs no further copy.
+* :meth:`WindowTransport.abort` -- set this rank's abort word in every peer window.
+* :meth:`WindowTransport.close` -- release everything; idempotent.
+
+Flag words hold the sender's sequence number (:class:`SequenceCounter`), and consecutive
+messages into one slot never carry the same one, so "differs from the last value seen"
+is an ABA-safe arrival test with no remote atomics. The counter and the values last seen
+belong to the transport, not to an endpoint, so an endpoint can be closed and another
+opened on the same window (a benchmark comparing endpoint options does this).
+
+A window transport is also a :class:`~afd_protocol.core.endpoints.Connection`: it makes
+this rank's endpoint -- the portable window endpoints by default; a backend whose
+hardware can do more returns its own (the NVSHMEM transport returns one with device
+kernels).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from afd_protocol.core.endpoints import EndpointOptions
+from afd_protocol.core.errors import InvalidArgument
+from afd_protocol.core.header import next_seq
+from afd_protocol.core.layout import SlotLayout, WindowLayout
+from afd_protocol.core.topology import Role, Topology
+
+if TYPE_CHECKING:
+    from afd_protocol.window.attention import WindowAttentionEndpoint
+    from afd_protocol.window.ffn import WindowFFNEndpoint
+
+
+class SequenceCounter:
+    """This rank's message sequence numbers: 1, 2, ..., ``2**31 - 1``, then 1 again.
+
+    ``last`` is the number most recently handed out (0: none yet).
+    """
+
+    def __init__(self, last: int = 0) -> None:
+        self.last = last
+
+    def next(self) -> int:
+        self.last = next_seq(self.last)
+        return self.last
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """What :meth:`WindowTransport.wait_any` saw."""
+
+    values: list[int]
+    """The current value of every watched flag, in the order they were asked for."""
+    headers: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    """Flag index -> that slot's header words (host int32), captured together with the flag
+    value returned (empty when the backend does not capture)."""
+
+
+class WindowTransport(abc.ABC):
+    """One rank's view of the AFD world: its window, its peers' windows, flags, abort."""
+
+    def __init__(self, window: WindowLayout, role: Role, rank: int) -> None:
+        self.window = window
+        self.role = role
+        self.rank = rank
+        self.topology.world_rank(role, rank)  # validates the rank
+        self.sequence = SequenceCounter()
+        """Sequence numbers of the messages this rank sends (shared by its endpoints)."""
+        self.seen = [0] * (window.num_regions * window.ring_depth)
+        """Per local flag index, the value an endpoint last consumed."""
+        self._endpoint: object | None = None
+
+    @property
+    def layout(self) -> SlotLayout:
+        return self.window.slot
+
+    @property
+    def topology(self) -> Topology:
+        return self.window.slot.topology
+
+    @property
+    def num_peers(self) -> int:
+        """Number of opposite-role ranks (the only ranks this one talks to)."""
+        return self.topology.num_role_ranks(self.role.opposite)
+
+    # ---- what a backend implements ----------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where window tensors live; payloads must be on this device."""
+
+    @abc.abstractmethod
+    def local_window(self) -> torch.Tensor:
+        """This rank's window as a flat uint8 tensor (peers write into it)."""
+
+    @abc.abstractmethod
+    def peer_window(self, peer: int) -> torch.Tensor:
+        """Opposite-role ``peer``'s window as a flat uint8 tensor (this rank writes into it)."""
+
+    @abc.abstractmethod
+    def publish(self, peer: int, flag_index: int, value: int) -> None:
+        """Make all earlier writes into ``peer``'s window visible, then set its flag word."""
+
+    @abc.abstractmethod
+    def wait_any(
+        self,
+        flag_indices: Sequence[int],
+        last_seen: Sequence[int],
+        timeout: float,
+        peers: Sequence[int],
+    ) -> Arrivals:
+        """Wait until a local flag word differs from its last-seen value.
+
+        Returns the current values of ``flag_indices`` (at least one differs). Raises
+        :class:`~afd_protocol.core.errors.PeerAborted` when one of ``peers`` set its abort
+        word or died, :class:`~afd_protocol.core.errors.PeerTimeout` after ``timeout``
+        seconds.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Tell every peer that this rank failed (sets its abort word in their windows)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the window and the peer mappings. Safe to call twice."""
+
+    def check_peer(self, peer: int) -> int:
+        """``peer`` if it is an opposite-role rank of this world, else :class:`InvalidArgument`."""
+        if not 0 <= peer < self.num_peers:
+            raise InvalidArgument(
+                f"{self.role.value} rank {self.rank}: peer {peer} is outside "
+                f"[0, {self.num_peers}) {self.role.opposite.value} ranks"
+            )
+        return peer
+
+    # ---- the Connection side ----------------------------------------------------------
+
+    def attention_endpoint(self, options: EndpointOptions | None = None) -> WindowAttentionEndpoint:
+        """The portable window endpoint of this attention rank."""
+        from afd_protocol.window.attention import WindowAttentionEndpoint
+
+        return WindowAttentionEndpoint(self, options)
+
+    def ffn_endpoint(self, options: EndpointOptions | None = None) -> WindowFFNEndpoint:
+        """The window endpoint of this FFN rank."""
+        from afd_protocol.window.ffn import WindowFFNEndpoint
+
+        return WindowFFNEndpoint(self, options)
+
+    def bind(self, endpoint: object) -> None:
+        """Record ``endpoint`` as the one endpoint using this window (endpoints call this)."""
+        if self._endpoint is not None:
+            raise InvalidArgument(
+                f"{self.role.value} rank {self.rank} already has an open endpoint "
+                f"({type(self._endpoint).__name__}); close it before opening another"
+            )
+        self._endpoint = endpoint
+
+    def unbind(self, endpoint: object) -> None:
+        """Forget ``endpoint`` (its ``close``); another may be opened afterwards."""
+        if self._endpoint is endpoint:
+            self._endpoint = None
+
+    def __enter__(self) -> WindowTransport:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
+            self.abort()
+        self.close()

@@ -1,0 +1,19 @@
+"""The Triton kernels this package offers a window endpoint, as one
+:class:`~afd_protocol.window.WindowKernels`.
+
+Imported only when an endpoint is made (Triton is imported with it)."""
+
+from __future__ import annotations
+
+import functools
+
+from afd_protocol.window import WindowKernels
+
+
+@functools.cache
+def triton_kernels() -> WindowKernels:
+    """The fused combine and the device pack, on the current CUDA stream."""
+    from afd_transport_nvshmem.device_pack import triton_device_pack
+    from afd_transport_nvshmem.fused_combine import triton_fused_combine
+
+    return WindowKernels(fused_combine=triton_fused_combine, device_pack=triton_device_pack)
