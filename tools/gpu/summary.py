@@ -65,6 +65,8 @@ def main(folder: str) -> int:
             low, high = spread.get(f"{key}/p10"), spread.get(f"{key}/p90")
             span = f" (p10-p90 {low * 1e3:.2f}-{high * 1e3:.2f})" if low and high else ""
             rows.append(("layer 1A1F", key, f"{seconds * 1e3:.2f} ms{span}"))
+    elif (root / "bench-nvshmem.skipped").exists():
+        rows.append(("bench", "nvshmem", "skipped: needs two GPUs"))
     else:
         rows.append(("bench", "(no benchmark json)", "FAIL"))
         failed += 1

@@ -27,7 +27,8 @@ class LoopbackWorld:
 
     def __init__(self, window: WindowLayout, device: torch.device | str = "cpu") -> None:
         self.window = window
-        self.device = torch.device(device)
+        # Resolved the way tensors report it ("cuda" -> "cuda:0"), so device checks compare equal.
+        self.device = torch.empty(0, device=device).device
         topo = window.slot.topology
         self.windows = {
             (role, r): torch.zeros(window.total_bytes, dtype=torch.uint8, device=self.device)
