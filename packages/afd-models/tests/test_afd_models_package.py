@@ -40,3 +40,21 @@ def test_never_imports_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_readme_role_split_example_runs_as_written(tmp_path) -> None:
+    """The README's example spawns rank processes, so it runs as a script of its own."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+    example = next(b for b in blocks if "RankSpec" in b)
+    script = tmp_path / "role_split_example.py"
+    script.write_text(example)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -345,6 +345,28 @@ def test_one_open_endpoint_per_transport_and_a_closed_one_refuses_work() -> None
         transport.ffn_endpoint(FAST)
 
 
+def test_closing_with_work_in_progress_aborts_and_shutdown_outlives_the_endpoint() -> None:
+    world = make_world(a=1, f=1, experts=4)
+    transport = world.transport(Role.ATTENTION, 0)
+    attention = transport.attention_endpoint(FAST)
+    ffn = world.transport(Role.FFN, 0).ffn_endpoint(FAST)
+    attention.dispatch(0, *route(2, 3, list(range(4)), 41))
+    attention.close()  # a dispatch in flight: its reply would reach nobody
+    item = ffn.next_work_item()  # what was sent still arrives
+    ffn.reply(item, torch.zeros(item.num_routed_rows, HIDDEN))
+    with pytest.raises(PeerAborted, match=r"rank\(s\) \[0\] aborted"):
+        ffn.next_work_item()
+
+    world = make_world(a=1, f=1, experts=4)
+    transport = world.transport(Role.ATTENTION, 0)
+    first = transport.attention_endpoint(FAST)
+    first.announce_shutdown()
+    first.close()
+    second = transport.attention_endpoint(FAST)
+    with pytest.raises(ConnectorShutdown):  # the peers were told: no endpoint may send now
+        second.dispatch(0, *route(2, 3, list(range(4)), 42))
+
+
 def test_an_endpoint_reopened_on_the_same_window_continues_its_sequence() -> None:
     """The sequence counter and the values last seen live in the transport, so a second
     endpoint on the same window neither reuses a sequence number nor misses a reply."""

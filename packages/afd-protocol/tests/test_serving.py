@@ -10,6 +10,7 @@ import torch
 
 from afd_protocol import (
     ConnectorShutdown,
+    InvalidArgument,
     PeerAborted,
     PeerTimeout,
     ProtocolError,
@@ -119,5 +120,5 @@ def test_malformed_messages_raise_or_are_skipped_and_recorded() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="while_idle"):
+    with pytest.raises(InvalidArgument, match="while_idle"):
         serve(ScriptedEndpoint([]), doubled, while_idle="sleep")  # type: ignore[arg-type]

@@ -13,16 +13,18 @@ import torch
 from afd_protocol import (
     CapacityError,
     Connection,
+    DevicePlan,
     DispatchHandle,
+    DispatchPlan,
     EndpointOptions,
     FFNEndpoint,
     WorkItem,
     expert_ids_from_counts,
-    plan_dispatch,
     relative_error,
     serve,
 )
 from afd_protocol.testing import LinearExperts, random_routing
+from afd_protocol.window import WindowDispatch
 
 
 @contextlib.contextmanager
@@ -60,10 +62,16 @@ class StrictAfterFirst:
         self.served += 1
 
 
-def _plan_summary(connection: Connection, handle: DispatchHandle, ids: torch.Tensor) -> Any:
-    """Who was waited on, the segment bounds and the counts of the same routing's host plan."""
-    plan = plan_dispatch(ids, connection.layout.topology, connection.layout.shared_placement)
-    return list(handle.ffn_ranks), plan.segment_offsets, plan.host_expert_counts
+def _plan_summary(handle: DispatchHandle) -> Any:
+    """Who was waited on, the segment bounds and the counts of the plan this endpoint built
+    (on its own device; read back when it stayed there)."""
+    assert isinstance(handle, WindowDispatch)
+    plan = handle.plan
+    if isinstance(plan, DispatchPlan):
+        return list(handle.ffn_ranks), plan.segment_offsets, plan.host_expert_counts
+    assert isinstance(plan, DevicePlan)
+    segments = tuple(plan.segment_offsets.tolist())
+    return list(handle.ffn_ranks), segments, tuple(plan.expert_counts.tolist())
 
 
 def _experts(connection: Connection, layers: int, seed: int) -> LinearExperts:
@@ -175,7 +183,7 @@ def attention_jobs(
                 relative_error(result, experts.reference(layer, x, ids, w, shared))
             )
             if record:
-                out["plans"].append(_plan_summary(connection, handle, ids))
+                out["plans"].append(_plan_summary(handle))
                 out["outputs"].append(result.float().cpu())
     if connection.device.type == "cuda":
         torch.cuda.synchronize(connection.device)

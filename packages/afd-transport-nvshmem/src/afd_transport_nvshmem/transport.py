@@ -50,7 +50,7 @@ the process exit reclaims the GPU memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -107,20 +107,12 @@ def check_one_rank_per_gpu(gpus: Mapping[int, str], topology: Topology, visible:
     shared = [ranks for ranks in by_gpu.values() if len(ranks) > 1]
     if not shared:
         return
-    names = ", ".join(
-        " and ".join("{} rank {}".format(*_describe(topology, w)) for w in ranks)
-        for ranks in shared
-    )
+    names = ", ".join(" and ".join(topology.rank_name(w) for w in ranks) for ranks in shared)
     raise TopologyError(
         f"the NVSHMEM transport needs one GPU per rank, but {names} would share a GPU "
         f"({topology.world_size} ranks, {visible} GPUs visible to this process); use fewer "
         f"ranks, more GPUs, or pass device= so that every rank gets its own"
     )
-
-
-def _describe(topology: Topology, world: int) -> tuple[str, int]:
-    role, rank = topology.role_of(world)
-    return role.value, rank
 
 
 @dataclass(frozen=True)
@@ -136,6 +128,24 @@ class NvshmemOptions:
     def __post_init__(self) -> None:
         if self.wait not in ("device", "host"):
             raise InvalidArgument(f"wait must be 'device' or 'host', got {self.wait!r}")
+
+
+class _CapturedHeaders(Mapping[int, torch.Tensor]):
+    """The headers a device wait captured, by flag index, copied out of the waiter's pinned
+    buffer only when an endpoint reads one (valid until the next wait reuses the buffer)."""
+
+    def __init__(self, waiter: DeviceWaiter, positions: dict[int, int]) -> None:
+        self._waiter = waiter
+        self._positions = positions
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._waiter.header(self._positions[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._positions)
+
+    def __len__(self) -> int:
+        return len(self._positions)
 
 
 class NvshmemTransport(WindowTransport):
@@ -312,14 +322,14 @@ class NvshmemTransport(WindowTransport):
                 raise
             if status == 1:
                 values = waiter.values(len(indices))
-                headers = {
-                    index: waiter.header(position)
+                positions = {
+                    index: position
                     for position, (index, value, old) in enumerate(
                         zip(indices, values, last, strict=True)
                     )
                     if value != old
                 }
-                return Arrivals(values, headers)
+                return Arrivals(values, _CapturedHeaders(waiter, positions))
             if status == 3:
                 self._raise_aborted(peers)
             if time.monotonic() >= deadline:

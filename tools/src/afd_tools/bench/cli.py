@@ -24,9 +24,10 @@ def add_parser(sub: Any) -> None:
     )
     transport.add_argument(
         "--backend",
-        choices=["shm", "nvshmem"],
+        choices=["shm", "nvshmem", "host"],
         default="shm",
-        help="transport to measure: shm (shared memory between processes) or nvshmem (two GPUs)",
+        help="transport to measure: shm (shared memory between processes) or nvshmem (two "
+        "GPUs); host is the old name of shm",
     )
     transport.add_argument("--iterations", type=int, default=2000, help="latency round trips")
     transport.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
@@ -47,6 +48,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run_transport(args: argparse.Namespace) -> int:
+    if args.backend == "host":
+        args.backend = "shm"
     smallest_tokens = 1024 if args.backend == "nvshmem" else 256
     problems = []
     if args.iterations < 200:

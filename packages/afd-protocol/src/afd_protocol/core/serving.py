@@ -16,7 +16,12 @@ from typing import Literal
 import torch
 
 from afd_protocol.core.endpoints import FFNEndpoint
-from afd_protocol.core.errors import ConnectorShutdown, PeerTimeout, ProtocolError
+from afd_protocol.core.errors import (
+    ConnectorShutdown,
+    InvalidArgument,
+    PeerTimeout,
+    ProtocolError,
+)
 from afd_protocol.core.workitem import WorkItem
 
 Compute = Callable[[WorkItem], tuple[torch.Tensor, torch.Tensor | None]]
@@ -92,9 +97,11 @@ def serve(
     :class:`~afd_protocol.core.errors.ConnectorShutdown`; every other error propagates.
     """
     if while_idle not in ("raise", "wait"):
-        raise ValueError(f"while_idle must be 'raise' or 'wait', got {while_idle!r}")
+        raise InvalidArgument(f"while_idle must be 'raise' or 'wait', got {while_idle!r}")
     if on_protocol_error not in ("raise", "skip"):
-        raise ValueError(f"on_protocol_error must be 'raise' or 'skip', got {on_protocol_error!r}")
+        raise InvalidArgument(
+            f"on_protocol_error must be 'raise' or 'skip', got {on_protocol_error!r}"
+        )
     stats = ServeStats()
     dtype = endpoint.dtype
     with torch.inference_mode():

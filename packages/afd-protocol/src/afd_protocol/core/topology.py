@@ -206,6 +206,11 @@ class Topology:
             return Role.ATTENTION, world_rank
         return Role.FFN, world_rank - self.num_attention_ranks
 
+    def rank_name(self, world_rank: int) -> str:
+        """``"attention rank 0"`` / ``"ffn rank 1"``: how errors name a world rank."""
+        role, rank = self.role_of(world_rank)
+        return f"{role.value} rank {rank}"
+
     def num_role_ranks(self, role: Role) -> int:
         return self.num_attention_ranks if role is Role.ATTENTION else self.num_ffn_ranks
 

@@ -134,6 +134,9 @@ class WindowAttentionEndpoint(WindowEndpoint):
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def _work_in_progress(self) -> int:
+        return len(self._in_flight)
+
     # ---- dispatch -----------------------------------------------------------------------
 
     def dispatch(
@@ -296,6 +299,7 @@ class WindowAttentionEndpoint(WindowEndpoint):
         fp32 and returns the input dtype: in FFN-rank order on the portable path, in top-k
         choice order with a fused kernel (deterministic either way).
         """
+        self._check_open()
         if not isinstance(handle, WindowDispatch) or self._in_flight.get(handle.ring) is not handle:
             raise InvalidArgument(
                 f"layer {handle.layer} stage {handle.stage} is not in flight on this endpoint "
@@ -418,4 +422,4 @@ class WindowAttentionEndpoint(WindowEndpoint):
         for dest in range(self._topology.num_ffn_ranks):
             header = self._shutdown_header(MessageKind.DISPATCH, dest)
             self._write_and_publish(self._send_views[dest][0], header, dest, 0)
-        self._shutdown_announced = True
+        self._transport.shutdown_announced = True

@@ -47,7 +47,6 @@ class WindowEndpoint:
                 f"payload_dtype={self._slot.payload_dtype!r}: low-precision payloads are laid out "
                 f"but not yet sent by the endpoints; use payload_dtype=None"
             )
-        self._shutdown_announced = False
         self._closed = False
         self._headers = HeaderUpload(transport.device)
         self.header_reads: collections.Counter[str] = collections.Counter()
@@ -117,11 +116,28 @@ class WindowEndpoint:
         """Tell every peer this rank failed (its waits then raise PeerAborted)."""
         self._transport.abort()
 
+    @property
+    def _shutdown_announced(self) -> bool:
+        return self._transport.shutdown_announced
+
+    def _work_in_progress(self) -> int:
+        """Messages this endpoint still owes or awaits (none: it may close quietly)."""
+        return 0
+
     def close(self) -> None:
-        """Release the window for another endpoint; the transport stays open."""
-        if not self._closed:
-            self._closed = True
-            self._transport.unbind(self)
+        """Release the window for another endpoint; the transport stays open.
+
+        An endpoint closed with work in progress (dispatches not combined, items not
+        answered) leaves replies or requests that nobody will match: it tells its peers it
+        failed (``abort``) rather than let them wait, or let a later endpoint on the same
+        window take a stale reply.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._work_in_progress():
+            self._transport.abort()
+        self._transport.unbind(self)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -70,6 +70,11 @@ class WindowFFNEndpoint(WindowEndpoint):
         self._finished: set[int] = set()
         self._next_replica = 0
 
+    def _work_in_progress(self) -> int:
+        # Items taken but not answered, and parts received but not yet taken: a later
+        # endpoint would not see them again (their flags were consumed).
+        return len(self._in_service) + len(self._parts)
+
     @property
     def local_experts(self) -> tuple[int, ...]:
         """Global ids of this rank's routed experts, by local id."""
@@ -248,4 +253,4 @@ class WindowFFNEndpoint(WindowEndpoint):
         for src in range(self._topology.num_attention_ranks):
             header = self._shutdown_header(MessageKind.REPLY, self._rank)
             self._write_and_publish(self._outbox[src][0], header, src, 0)
-        self._shutdown_announced = True
+        self._transport.shutdown_announced = True

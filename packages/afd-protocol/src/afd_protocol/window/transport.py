@@ -1,9 +1,10 @@
 """The window transport interface: the few operations a byte-moving backend provides.
 
 A window transport owns one rank's *window* (a buffer its opposite-role peers write
-into) and maps the windows of its opposite-role peers. The window endpoints
-(:mod:`afd_protocol.window.attention`, :mod:`afd_protocol.window.ffn`) are written once
-against this interface; a backend only moves bytes and flags:
+into) and maps the windows of its opposite-role peers into this process, so that the
+window endpoints (:mod:`afd_protocol.window.attention`, :mod:`afd_protocol.window.ffn`),
+written once against this interface, move the bytes themselves with ordinary tensor ops
+into those mappings. A backend provides the mappings and the flags:
 
 * :meth:`WindowTransport.local_window` / :meth:`WindowTransport.peer_window` -- flat
   ``uint8`` tensors over this rank's window and a peer's mapped window. Writes into a peer
@@ -29,6 +30,12 @@ A window transport is also a :class:`~afd_protocol.core.endpoints.Connection`: i
 this rank's endpoint -- the portable window endpoints by default; a backend whose
 hardware can do more returns its own (the NVSHMEM transport returns one with device
 kernels).
+
+This layer is for backends with load/store access to their peers' memory (shared memory
+on one machine, NVLink peer mappings on one node). A backend without it -- NVSHMEM across
+nodes, where ``nvshmem_ptr`` is NULL and writes must be puts with a signal, or Ascend's
+CAM operators, which own the whole exchange -- implements the endpoint protocols of
+:mod:`afd_protocol.core.endpoints` directly.
 """
 
 from __future__ import annotations
@@ -74,7 +81,8 @@ class Arrivals:
     """The current value of every watched flag, in the order they were asked for."""
     headers: Mapping[int, torch.Tensor] = field(default_factory=dict)
     """Flag index -> that slot's header words (host int32), captured together with the flag
-    value returned (empty when the backend does not capture)."""
+    value returned (empty when the backend does not capture). Read them before the next
+    ``wait_any``: a backend may reuse its capture buffer."""
 
 
 class WindowTransport(abc.ABC):
@@ -89,6 +97,8 @@ class WindowTransport(abc.ABC):
         """Sequence numbers of the messages this rank sends (shared by its endpoints)."""
         self.seen = [0] * (window.num_regions * window.ring_depth)
         """Per local flag index, the value an endpoint last consumed."""
+        self.shutdown_announced = False
+        """This rank told its peers it sends no more work; no endpoint may send after."""
         self._endpoint: object | None = None
 
     @property
