@@ -177,6 +177,10 @@ def test_bad_router_output_is_a_clear_error() -> None:
         plan_dispatch(torch.tensor([0, 1]), topo)
     with pytest.raises(InvalidArgument, match="integer"):
         plan_dispatch(torch.tensor([[0.0, 1.0]]), topo)
+    # A token that picks one expert twice would make that expert's count exceed the token
+    # count, which every receiver refuses: the sender says so first.
+    with pytest.raises(InvalidArgument, match="chose an expert more than once"):
+        plan_dispatch(torch.tensor([[1, 1], [1, 2]]), topo)
 
 
 def test_combine_rejects_replies_that_do_not_match_the_plan() -> None:

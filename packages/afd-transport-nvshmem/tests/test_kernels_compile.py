@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from afd_protocol import CHECKSUM_SALT, HEADER_FIXED_WORDS, Word  # noqa: E402
+from afd_protocol import HEADER_FIXED_WORDS, Word  # noqa: E402
 from afd_transport_nvshmem import device_pack, device_wait, fused_combine  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -102,13 +102,15 @@ def test_the_device_pack_compiles(dtype: str) -> None:
             "segment_offsets": "*i64",
             "rank_offsets": "*i64",
             "headers_at": "*i64",
+            "crc_base": "*i32",
+            "crc_columns": "*i32",
         },
         {
+            "MAX_WORDS": HEADER_FIXED_WORDS + 256,
             "FIXED": HEADER_FIXED_WORDS,
             "FIXED_BLOCK": 16,
             "ROUTED_WORD": int(Word.ROUTED_ROWS),
             "CHECKSUM_WORD": int(Word.CHECKSUM),
-            "SALT": CHECKSUM_SALT,
             "COUNTS": device_pack.COUNT_BLOCK,
         },
     )

@@ -44,7 +44,6 @@ from afd_protocol.core.errors import (
     TopologyError,
 )
 from afd_protocol.core.header import (
-    CHECKSUM_SALT,
     FLAG_ABORT,
     FLAG_SHUTDOWN,
     HEADER_FIXED_WORDS,
@@ -55,6 +54,8 @@ from afd_protocol.core.header import (
     HeaderLimits,
     MessageKind,
     Word,
+    checksum,
+    crc_columns,
     decode_header,
     encode_header,
     encode_words,
@@ -97,7 +98,6 @@ except PackageNotFoundError:  # a source tree that was not installed
 
 __all__ = [
     "ALIGN",
-    "CHECKSUM_SALT",
     "FLAG_ABORT",
     "FLAG_SHUTDOWN",
     "HEADER_FIXED_WORDS",
@@ -144,9 +144,11 @@ __all__ = [
     "WorkItemPart",
     "__version__",
     "check_same_geometry",
+    "checksum",
     "combine",
     "combine_scatter",
     "constant_index",
+    "crc_columns",
     "decode_header",
     "encode_header",
     "encode_words",

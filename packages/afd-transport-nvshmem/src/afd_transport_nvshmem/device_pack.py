@@ -8,8 +8,11 @@ state straight into that rank's window -- a gather-and-write over NVLink for eve
 destination in one launch -- plus the row's source token (first column tile only).
 
 ``_pack_headers_kernel``: one program per FFN rank completes its header: ROUTED_ROWS from
-the segment bounds, the rank's expert counts, and the checksum over all words, in int64
-and reduced modulo ``2**32`` exactly as :func:`afd_protocol.core.header.checksum` does.
+the segment bounds, the rank's expert counts, and the CRC-32 checksum of
+:func:`afd_protocol.core.header.checksum`, computed in parallel from its linear form: the
+XOR of one precomputed column per set bit of every word, then the CRC of the all-zero
+header (:func:`afd_protocol.core.header.crc_columns`). ``_crc_of`` is that XOR for one
+tile of words.
 
 Destinations are passed as tables of raw addresses (peer windows are separate mappings
 with no common base), built once per set of views and cached.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from afd_protocol import CHECKSUM_SALT, HEADER_FIXED_WORDS, Word, constant_index
+from afd_protocol import HEADER_FIXED_WORDS, Word, constant_index
 from afd_protocol.window import PackInputs
 
 ROWS = 4
@@ -60,17 +63,28 @@ def _pack_rows_kernel(
 
 
 @triton.jit
+def _crc_of(words, rows, present, table):
+    """XOR of the CRC columns of every set bit of ``words`` (int32, at header rows ``rows``)."""
+    bits = tl.arange(0, 32)
+    columns = tl.load(table + rows[:, None] * 32 + bits[None, :], mask=present[:, None], other=0)
+    set_bit = ((words[:, None] >> bits[None, :]) & 1) != 0
+    return tl.xor_sum(tl.xor_sum(tl.where(set_bit, columns, 0), axis=1), axis=0)
+
+
+@triton.jit
 def _pack_headers_kernel(
     fixed_words,
     expert_counts,
     segment_offsets,
     rank_offsets,
     headers_at,
+    crc_base,
+    crc_columns,
+    MAX_WORDS: tl.constexpr,
     FIXED: tl.constexpr,
     FIXED_BLOCK: tl.constexpr,
     ROUTED_WORD: tl.constexpr,
     CHECKSUM_WORD: tl.constexpr,
-    SALT: tl.constexpr,
     COUNTS: tl.constexpr,
 ):
     dest = tl.program_id(0)
@@ -78,23 +92,23 @@ def _pack_headers_kernel(
     num_counts = tl.load(rank_offsets + dest + 1) - first
     routed = tl.load(segment_offsets + dest + 1) - tl.load(segment_offsets + dest)
     header = tl.load(headers_at + dest).to(tl.pointer_type(tl.int32))
+    table = crc_columns + dest * MAX_WORDS * 32
     slots = tl.arange(0, FIXED_BLOCK)
     in_fixed = slots < FIXED
-    words = tl.load(fixed_words + dest * FIXED + slots, mask=in_fixed, other=0).to(tl.int64)
-    words = tl.where(slots == ROUTED_WORD, routed, words)
+    words = tl.load(fixed_words + dest * FIXED + slots, mask=in_fixed, other=0)
+    words = tl.where(slots == ROUTED_WORD, routed.to(tl.int32), words)
     words = tl.where(slots == CHECKSUM_WORD, 0, words)
-    weights = tl.where(in_fixed & (slots != CHECKSUM_WORD), 2 * slots + 1, 0).to(tl.int64)
-    total = tl.sum(words * weights, axis=0) + SALT
-    for start in range(0, num_counts, COUNTS):
+    crc = _crc_of(words, slots, in_fixed, table)
+    # Bounded by the longest header (fixed per topology), each rank masking its own count.
+    for start in range(0, MAX_WORDS - FIXED, COUNTS):
         index = start + tl.arange(0, COUNTS)
         present = index < num_counts
-        counts = tl.load(expert_counts + first + index, mask=present, other=0)
-        total += tl.sum(counts * (2 * (FIXED + index) + 1), axis=0)
-        tl.store(header + FIXED + index, counts.to(tl.int32), mask=present)
-    unsigned = total & 0xFFFFFFFF
-    signed = tl.where(unsigned >= (1 << 31), unsigned - (1 << 32), unsigned)
-    words = tl.where(slots == CHECKSUM_WORD, signed, words)
-    tl.store(header + slots, words.to(tl.int32), mask=in_fixed)
+        counts = tl.load(expert_counts + first + index, mask=present, other=0).to(tl.int32)
+        crc ^= _crc_of(counts, FIXED + index, present, table)
+        tl.store(header + FIXED + index, counts, mask=present)
+    crc ^= tl.load(crc_base + dest)
+    words = tl.where(slots == CHECKSUM_WORD, crc, words)
+    tl.store(header + slots, words, mask=in_fixed)
 
 
 def triton_device_pack(inputs: PackInputs) -> None:
@@ -128,10 +142,12 @@ def triton_device_pack(inputs: PackInputs) -> None:
         plan.segment_offsets,
         constant_index(inputs.rank_wire_offsets, device),
         constant_index(tuple(t.data_ptr() for t in inputs.headers), device),
+        inputs.crc_base,
+        inputs.crc_columns,
+        MAX_WORDS=inputs.crc_columns.shape[1],
         FIXED=HEADER_FIXED_WORDS,
         FIXED_BLOCK=triton.next_power_of_2(HEADER_FIXED_WORDS),
         ROUTED_WORD=int(Word.ROUTED_ROWS),
         CHECKSUM_WORD=int(Word.CHECKSUM),
-        SALT=CHECKSUM_SALT,
         COUNTS=COUNT_BLOCK,
     )

@@ -214,6 +214,7 @@ class SlotLayout:
             num_src_ranks=senders,
             num_layers=num_layers,
             num_stages=num_stages,
+            topk=self.topk,
         )
 
     # ---- capacity ---------------------------------------------------------------

@@ -205,6 +205,11 @@ def plan_dispatch(
         host = [0, 0, *counts.tolist()]
     low, high, host_counts = host[0], host[1], tuple(host[2:])
     check_expert_bounds(low, high, num_experts)
+    if host_counts and max(host_counts) > num_tokens:
+        raise InvalidArgument(
+            f"topk_ids route {max(host_counts)} rows of {num_tokens} tokens to one expert: some "
+            f"token chose an expert more than once; a router's top-k ids are distinct per token"
+        )
 
     rank_offsets = placement.rank_wire_offsets
     segments = [0]

@@ -28,7 +28,7 @@ from afd_protocol.core.plan import (
     plan_on_device,
 )
 from afd_protocol.window.attention import ExpectedReply, WindowAttentionEndpoint, WindowDispatch
-from afd_protocol.window.kernels import CombineInputs, PackInputs, WindowKernels
+from afd_protocol.window.kernels import CombineInputs, PackInputs, WindowKernels, crc_tables
 from afd_protocol.window.pinned import PinnedReadback, PinnedUpload
 from afd_protocol.window.transport import WindowTransport
 
@@ -75,6 +75,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         shape = (self._topology.num_ffn_ranks, HEADER_FIXED_WORDS)
         self._fixed_words = [torch.zeros(shape, dtype=torch.int32, device=device) for _ in rings]
         self._readback = PinnedReadback(device)
+        self._crc_base, self._crc_columns = crc_tables(self._topology.expert_placement, device)
 
     def _check_kernel_options(self) -> None:
         if self.options.device_pack and self._kernels.device_pack is None:
@@ -141,6 +142,8 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 routed_rows=tuple(v.routed_rows for v in views),
                 route_index=tuple(v.route_index for v in views),
                 headers=tuple(v.header for v in views),
+                crc_base=self._crc_base,
+                crc_columns=self._crc_columns,
             )
         )
         self._readback.start(plan.expert_bounds, ring)

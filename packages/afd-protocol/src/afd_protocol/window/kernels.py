@@ -34,20 +34,23 @@ host cannot run ahead of the device at any MoE layer. When the batch cannot over
 destination (``num_tokens * topk <= routed_cap``: even all rows to one rank fit), nothing
 on the host needs the counts: :func:`~afd_protocol.core.plan.plan_on_device` keeps the
 plan on the device, and a device pack writes every destination's routed rows, their
-source tokens and the complete header (``ROUTED_ROWS``, the expert counts and the
-checksum computed on the device; every other word prepared on the host in
+source tokens and the complete header (``ROUTED_ROWS``, the expert counts and the CRC-32
+checksum computed on the device, the CRC as an XOR of precomputed columns, see
+:func:`~afd_protocol.core.header.crc_columns`; every other word prepared on the host in
 ``fixed_words``) in one pass (:class:`PackInputs`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from afd_protocol.core.header import CHECKSUM_SALT, Word
+from afd_protocol.core.header import HEADER_FIXED_WORDS, Word, checksum, crc_columns
 from afd_protocol.core.plan import DevicePlan
+from afd_protocol.core.topology import ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -104,17 +107,36 @@ class PackInputs:
     """Per destination, int32 ``[routed_cap]``: the source token of each row."""
     headers: tuple[torch.Tensor, ...]
     """Per destination, the int32 header field of the slot."""
+    crc_base: torch.Tensor
+    """int32 ``[F]``: the CRC of each destination's all-zero header (:func:`crc_tables`)."""
+    crc_columns: torch.Tensor
+    """int32 ``[F, max_words, 32]``: per destination, the CRC columns of its header length."""
 
 
 DevicePack = Callable[[PackInputs], None]
 """Writes rows, source tokens and headers for every destination (module docstring)."""
 
 
-def checksum_weights(num_words: int, device: torch.device) -> torch.Tensor:
-    """int64 position weights of the header checksum (0 at CHECKSUM), as a tensor."""
-    weights = torch.arange(num_words, dtype=torch.long, device=device) * 2 + 1
-    weights[Word.CHECKSUM] = 0
-    return weights
+@functools.lru_cache(maxsize=16)
+def crc_tables(
+    placement: ExpertPlacement, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(crc_base [F], crc_columns [F, max_words, 32])`` as int32 tensors on ``device``.
+
+    Destination ``d``'s header has ``HEADER_FIXED_WORDS + len(experts of d)`` words; its rows
+    of ``crc_columns`` beyond that length are zero. Built once per placement and device.
+    """
+    lengths = [HEADER_FIXED_WORDS + n for n in placement.experts_per_rank]
+    width = max(lengths)
+    bases, tables = [], []
+    for length in lengths:
+        base, columns = crc_columns(length)
+        bases.append(base)
+        tables.append(list(columns) + [0] * (32 * (width - length)))
+    signed = [[c - (1 << 32) if c >= 1 << 31 else c for c in t] for t in [bases, *tables]]
+    base_tensor = torch.tensor(signed[0], dtype=torch.int32, device=device)
+    columns_tensor = torch.tensor(signed[1:], dtype=torch.int32, device=device)
+    return base_tensor, columns_tensor.view(len(lengths), width, 32)
 
 
 def reference_device_pack(inputs: PackInputs) -> None:
@@ -133,10 +155,10 @@ def reference_device_pack(inputs: PackInputs) -> None:
         counts = plan.expert_counts[offsets[dest] : offsets[dest + 1]]
         words = torch.cat([inputs.fixed_words[dest].long(), counts])
         words[Word.ROUTED_ROWS] = segments[dest + 1] - segments[dest]
-        words[Word.CHECKSUM] = 0
-        total = (words * checksum_weights(words.numel(), words.device)).sum() + CHECKSUM_SALT
-        unsigned = total & 0xFFFFFFFF
-        words[Word.CHECKSUM] = unsigned - (unsigned >= (1 << 31)).long() * (1 << 32)
+        # A specification may read back to the host: the checksum straight from its
+        # definition (a kernel uses inputs.crc_columns, tested against this).
+        crc = checksum(words.tolist())
+        words[Word.CHECKSUM] = crc - (1 << 32) if crc >= 1 << 31 else crc
         inputs.headers[dest][: words.numel()] = words.to(torch.int32)
 
 
