@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -72,7 +73,8 @@ def test_configuration_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -
     ]
 
 
-def _descendants(pid: int) -> dict[int, str]:
+def _session(sid: int) -> dict[int, str]:
+    """Processes of session ``sid`` (pid -> name), wherever they were reparented to."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -82,55 +84,137 @@ def _descendants(pid: int) -> dict[int, str]:
             comm = (entry / "comm").read_text().strip()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        found[int(entry.name)] = (ppid, comm)
-    out, frontier = {}, {pid}
-    while frontier:
-        children = {p for p, (pp, _) in found.items() if pp in frontier and p not in out}
-        out.update({p: found[p][1] for p in children})
-        frontier = children
-    return out
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            found[int(entry.name)] = comm
+    return found
+
+
+def _shm_entries() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir() if p.name.startswith(("afd-", "sem.mp-"))}
+
+
+def _wait_for(condition, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    """Poll ``condition()`` until it holds; returns the seconds it took (a hang fails)."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"{what} within {timeout:g} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+class RunningRun:
+    """``afd run`` in a session of its own, with its own temporary directory."""
+
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.tmp = tmp_path / "tmp"
+        self.tmp.mkdir()
+        argv = [
+            sys.executable,
+            "-m",
+            "afd_tools.cli",
+            *SMALL,
+            "--requests",
+            "400",
+            "--rate",
+            "40",
+            "--timeout",
+            "20",
+            *extra,  # a later --rate wins
+        ]
+        self.shm_before = _shm_entries()
+        env = {**os.environ, "TMPDIR": str(self.tmp)}
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.sid = self.process.pid
+
+    def wait_until_every_rank_attached(self) -> None:
+        """Synchronise on state: all four ranks have mapped their peers' windows."""
+
+        def attached() -> bool:
+            return len(list(self.tmp.glob("afd-rendezvous-*/afd%2Fattached%2F*.kv"))) == 4
+
+        _wait_for(attached, 120, "every rank attached")
+
+    def assert_nothing_left(self, timeout: float = 10.0) -> float:
+        took = _wait_for(lambda: not _session(self.sid), timeout, "every process of the run gone")
+        assert _shm_entries() <= self.shm_before, _shm_entries() - self.shm_before
+        assert list(self.tmp.iterdir()) == [], list(self.tmp.iterdir())
+        return took
+
+    def close(self) -> None:
+        for pid in _session(self.sid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.communicate()
 
 
 @pytest.mark.timeout(180)
-def test_a_killed_ffn_rank_stops_the_run_naming_it_and_leaves_nothing_behind() -> None:
-    argv = [
-        sys.executable,
-        "-m",
-        "afd_tools.cli",
-        *SMALL,
-        "--requests",
-        "400",
-        "--rate",
-        "40",
-        "--mode",
-        "async",
-        "--timeout",
-        "20",
-    ]
-    before = set(leftover_segments())
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT to the process group"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_no_rank_or_file_outlives_the_launcher(tmp_path: Path, how: str, mode: str) -> None:
+    """Requests arrive one every 20 s on average, so the ranks are idle, waiting -- the
+    state in which an orphan would otherwise wait for its next request (38 s later here)."""
+    run = RunningRun(tmp_path, "--mode", mode, "--rate", "0.05")
     try:
-        deadline = time.monotonic() + 60
-        victim = None
-        while victim is None and time.monotonic() < deadline:
-            for pid, comm in _descendants(process.pid).items():
-                if comm == "afd-ffn1":
-                    victim = pid
-            time.sleep(0.2)
-        assert victim is not None, "the FFN rank 1 process never appeared"
-        time.sleep(2.0)  # let it serve some work first
-        started = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        _, err = process.communicate(timeout=60)
-        elapsed = time.monotonic() - started
+        run.wait_until_every_rank_attached()
+        if how == "SIGKILL":
+            os.kill(run.process.pid, signal.SIGKILL)
+        elif how == "SIGTERM":
+            os.kill(run.process.pid, signal.SIGTERM)
+        else:
+            os.killpg(run.sid, signal.SIGINT)
+        run.process.wait(timeout=60)
+        run.assert_nothing_left()
+        if how != "SIGKILL":
+            _, err = run.process.communicate()
+            assert "interrupted; every rank process was stopped" in err, err
+            assert run.process.returncode == 130
     finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode not in (0, None)
-    assert "ffn rank 1: killed by SIGKILL" in err
-    assert "Traceback" not in err
-    assert elapsed < 30
-    assert _descendants(process.pid) == {}
-    assert not [p for p in _descendants(os.getpid()).values() if p.startswith("afd-")]
-    assert set(leftover_segments()) <= before
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_ffn_rank_stops_the_run_naming_it_and_leaves_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    run = RunningRun(tmp_path, "--mode", "async")
+    try:
+        run.wait_until_every_rank_attached()
+        victim = next(pid for pid, name in _session(run.sid).items() if name == "afd-ffn1")
+        os.kill(victim, signal.SIGKILL)
+        _, err = run.process.communicate(timeout=60)
+        assert run.process.returncode == 2
+        assert "ffn rank 1: killed by SIGKILL" in err
+        assert "Traceback" not in err
+        run.assert_nothing_left()
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_replica_in_sync_mode_is_reported_at_once_not_after_the_grace(
+    tmp_path: Path,
+) -> None:
+    """The lockstep checks the other replicas' liveness: the survivor fails by itself,
+    naming the dead replica, instead of sitting in the barrier until it is killed."""
+    run = RunningRun(tmp_path, "--mode", "sync")
+    try:
+        run.wait_until_every_rank_attached()
+        victim = next(pid for pid, name in _session(run.sid).items() if name == "afd-attn1")
+        os.kill(victim, signal.SIGKILL)
+        _, err = run.process.communicate(timeout=60)
+        assert "attention rank 1: killed by SIGKILL" in err
+        assert "attention rank 0: PeerAborted" in err, err
+        run.assert_nothing_left()
+    finally:
+        run.close()

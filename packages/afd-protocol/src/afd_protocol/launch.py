@@ -3,36 +3,59 @@
 Used by tests, benchmarks and ``afd run``. Each rank runs ``target(connection, **kwargs)``
 in a fresh ``spawn`` process with its connection open (the shared-memory transport by
 default; any backend through ``transport_factory``), and asks it for its endpoint; its
-return value comes back to the caller. Guarantees: every process is gone when :func:`launch` returns
-or raises (terminated, then killed), the rendezvous directory and any segment it names
-are removed, and a failing rank makes :func:`launch` raise :class:`LaunchError` naming
-every rank's outcome. A rank that raises sets its abort word first, so its peers fail
-fast instead of waiting for their timeouts.
+return value comes back to the caller through a pipe.
+
+Guarantees:
+
+* when :func:`launch` returns or raises, every rank process is gone (terminated, then
+  killed) and the rendezvous directory and any shared-memory segment it names are removed;
+* a failing rank makes :func:`launch` raise :class:`LaunchError` naming every rank's
+  outcome; a rank that raises sets its abort word first, so its peers fail fast;
+* SIGTERM of the launching process is handled like Ctrl-C (``KeyboardInterrupt``, then the
+  same cleanup), when :func:`launch` runs in the main thread;
+* if the launching process dies without cleaning up (SIGKILL), its ranks do not outlive it:
+  each gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``), and every wait of a transport
+  also checks that the launcher is alive (``AFD_SUPERVISOR``: the fallback where the signal
+  is not available); the ranks then exit and the last ones remove the rendezvous directory;
+* no semaphore or other named object is created: results travel through pipes, so nothing
+  is left in ``/dev/shm`` by a crash;
+* before a rank's program starts it knows every rank's pid (:func:`roster`), so waits
+  outside a transport (a lockstep between replicas) can check their peers' liveness too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
-import queue
 import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
 
 import torch
 
 from afd_protocol.core.endpoints import Connection
 from afd_protocol.core.errors import AFDError
 from afd_protocol.core.layout import WindowLayout
-from afd_protocol.core.rendezvous import DirectoryStore
+from afd_protocol.core.rendezvous import (
+    SUPERVISOR_ENV,
+    DirectoryStore,
+    process_alive,
+    process_start_time,
+)
 from afd_protocol.core.topology import Role
 from afd_protocol.shm.segments import remove_segments
 from afd_protocol.shm.transport import ShmTransport
@@ -100,15 +123,17 @@ def _raised_at(formatted: str | None) -> str:
     return f" (raised at {os.path.basename(path)}:{line} in {func})"
 
 
-def _set_process_name(name: str) -> None:
-    """Show the rank in ``ps``/``top`` (``/proc/PID/comm``, Linux; best effort)."""
-    try:
-        import ctypes
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
 
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+def _prctl(option: int, value: int | bytes) -> bool:
+    """Linux ``prctl(option, value)``; False where it is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, value, 0, 0, 0)) == 0
     except (OSError, AttributeError):
-        pass
+        return False
 
 
 def process_name(spec_name: str) -> str:
@@ -117,18 +142,61 @@ def process_name(spec_name: str) -> str:
     return f"afd-{'attn' if role == 'attention' else role}{rank}"
 
 
+_ROSTER: dict[str, tuple[int, int | None]] = {}
+
+
+def roster() -> dict[str, tuple[int, int | None]]:
+    """Inside a launched rank: every rank's ``(pid, start time)`` by name (``"ffn rank 1"``),
+    known before the rank's program starts, so it can check any peer's liveness (with
+    :func:`afd_protocol.core.rendezvous.process_alive`). Empty outside :func:`launch`."""
+    return dict(_ROSTER)
+
+
+def cleanup_rendezvous(rendezvous: str | Path) -> None:
+    """Remove the shared-memory segments a rendezvous directory names, then the directory.
+
+    Idempotent, and safe to run from several processes at once.
+    """
+    path = Path(rendezvous)
+    if path.is_dir():
+        with contextlib.suppress(OSError):
+            store = DirectoryStore(path)
+            records = [json.loads(r) for r in store.items("afd/rank/").values()]
+            remove_segments(r["segment"] for r in records if "segment" in r)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    """The first SIGTERM unwinds the rank (its finally blocks close the transport); a second
+    one, or one during interpreter shutdown, just ends the process."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise SystemExit(128 + signum)
+
+
 def _rank_main(
     spec: RankSpec,
     window: WindowLayout,
     rendezvous: str,
     connect_timeout: float,
     threads: int,
-    results: Any,
+    results: multiprocessing.connection.Connection,
     factory: TransportFactory,
+    launcher: tuple[int, int | None],
+    control: multiprocessing.connection.Connection,
 ) -> None:
-    _set_process_name(process_name(spec.name))
+    # Die with the launcher (SIGTERM from the kernel when it exits), and check it did not
+    # exit before that was in place. SIGTERM unwinds through the finally blocks below, so
+    # transports close; Ctrl-C reaches the whole process group, but the launcher decides.
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.environ[SUPERVISOR_ENV] = f"{launcher[0]}:{launcher[1]}"
+    _prctl(_PR_SET_NAME, process_name(spec.name).encode()[:15])
     torch.set_num_threads(threads)
     try:
+        if os.getppid() != launcher[0]:
+            raise SystemExit("the launcher exited before this rank started")
+        _ROSTER.update(_receive_roster(control, connect_timeout))
         connection = factory(window, Role(spec.role), spec.rank, rendezvous, connect_timeout)
         try:
             value = spec.target(connection, **spec.kwargs)
@@ -140,20 +208,37 @@ def _rank_main(
             connection.close()
         # Pickled here with the standard pickler, so tensors travel by value: torch's
         # multiprocessing reducers would pass file descriptors that die with this process.
-        results.put((spec.name, True, pickle.dumps(value), None, None, None, os.getpid()))
+        _report(results, (spec.name, True, pickle.dumps(value), None, None, None, os.getpid()))
     except BaseException as exc:  # reported to the launcher, which decides
         message = f"{type(exc).__name__}: {exc}"
-        results.put(
-            (
-                spec.name,
-                False,
-                None,
-                message,
-                type(exc).__name__,
-                traceback.format_exc(),
-                os.getpid(),
-            )
-        )
+        report = (spec.name, False, None, message, type(exc).__name__, traceback.format_exc())
+        _report(results, (*report, os.getpid()))
+    finally:
+        # Orphaned (the kernel may signal us before it reparents us, so also look at the
+        # launcher itself): nobody else will clean up.
+        if os.getppid() != launcher[0] or not process_alive(*launcher):
+            cleanup_rendezvous(rendezvous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _receive_roster(
+    control: multiprocessing.connection.Connection, timeout: float
+) -> dict[str, tuple[int, int | None]]:
+    """The roster the launcher sends once every rank process has started."""
+    if not control.poll(timeout):
+        raise SystemExit(f"no roster from the launcher within {timeout:g} s")
+    try:
+        received: dict[str, tuple[int, int | None]] = pickle.loads(control.recv_bytes())
+    except EOFError:
+        raise SystemExit("the launcher exited before this rank started") from None
+    finally:
+        control.close()
+    return received
+
+
+def _report(results: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
+    with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
+        results.send_bytes(pickle.dumps(message))
 
 
 def _describe_exit(code: int | None) -> str:
@@ -189,63 +274,47 @@ def launch(
     """
     overrides = dict(window_overrides or {})
     ctx = mp.get_context("spawn")
-    results_queue = ctx.Queue()
     rendezvous = tempfile.mkdtemp(prefix="afd-rendezvous-")
+    launcher = (os.getpid(), process_start_time(os.getpid()))
     processes: dict[str, Any] = {}
+    readers: dict[multiprocessing.connection.Connection, str] = {}
     results: dict[str, RankResult] = {}
     try:
-        for spec in ranks:
-            process = ctx.Process(
-                target=_rank_main,
-                args=(
-                    spec,
-                    overrides.get(spec.name, window),
-                    rendezvous,
-                    connect_timeout,
-                    threads_per_rank,
-                    results_queue,
-                    transport_factory,
-                ),
-                name=f"afd-{spec.name.replace(' ', '-')}",
-                daemon=True,
-            )
-            process.start()
-            processes[spec.name] = process
-        if on_start is not None:
-            on_start({name: p.pid for name, p in processes.items()})
-        deadline = time.monotonic() + timeout
-        failed_at: float | None = None
-        exited_without_result: dict[str, float] = {}
-        while len(results) < len(processes):
-            try:
-                name, ok, blob, error, error_type, tb, pid = results_queue.get(timeout=0.05)
-                value = pickle.loads(blob) if blob is not None else None
-                results[name] = RankResult(name, ok, value, error, error_type, tb, pid)
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            for name, process in processes.items():
-                if name in results or process.exitcode is None:
-                    continue
-                # Its result may still be in the pipe: give it a moment before judging.
-                first_seen = exited_without_result.setdefault(name, now)
-                if now - first_seen > 1.0:
-                    results[name] = RankResult(
-                        name, False, error=_describe_exit(process.exitcode), pid=process.pid
-                    )
-            if failed_at is None and any(not r.ok for r in results.values()):
-                failed_at = now
-            if failed_at is not None and now - failed_at > grace:
-                break
-            if now > deadline:
-                break
-        for name, process in processes.items():
-            if name not in results:
-                why = "did not finish" if failed_at is None else "did not stop"
-                limit = timeout if failed_at is None else grace
-                results[name] = RankResult(
-                    name, False, error=f"{why} within {limit:g} s", pid=process.pid
+        with _sigterm_as_interrupt():
+            controls = []
+            for spec in ranks:
+                reader, writer = ctx.Pipe(duplex=False)
+                control_reader, control = ctx.Pipe(duplex=False)
+                process = ctx.Process(
+                    target=_rank_main,
+                    args=(
+                        spec,
+                        overrides.get(spec.name, window),
+                        rendezvous,
+                        connect_timeout,
+                        threads_per_rank,
+                        writer,
+                        transport_factory,
+                        launcher,
+                        control_reader,
+                    ),
+                    name=f"afd-{spec.name.replace(' ', '-')}",
+                    daemon=True,
                 )
+                process.start()
+                writer.close()  # the rank holds the only writer: its exit reads as EOF here
+                control_reader.close()
+                processes[spec.name] = process
+                readers[reader] = spec.name
+                controls.append(control)
+            everyone = {name: (p.pid, process_start_time(p.pid)) for name, p in processes.items()}
+            for control in controls:
+                with contextlib.suppress(OSError):  # a rank that already died: reported below
+                    control.send_bytes(pickle.dumps(everyone))
+                control.close()
+            if on_start is not None:
+                on_start({name: p.pid for name, p in processes.items()})
+            _collect(processes, readers, results, timeout, grace)
     finally:
         for process in processes.values():
             if process.is_alive():
@@ -255,10 +324,68 @@ def launch(
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
-        results_queue.close()
-        records = [json.loads(r) for r in DirectoryStore(rendezvous).items("afd/rank/").values()]
-        remove_segments(r["segment"] for r in records if "segment" in r)
-        shutil.rmtree(rendezvous, ignore_errors=True)
+        for reader in readers:
+            reader.close()
+        cleanup_rendezvous(rendezvous)
     if any(not r.ok for r in results.values()):
         raise LaunchError(results)
     return results
+
+
+def _collect(
+    processes: dict[str, Any],
+    readers: dict[multiprocessing.connection.Connection, str],
+    results: dict[str, RankResult],
+    timeout: float,
+    grace: float,
+) -> None:
+    """Read every rank's result as it comes (see :func:`launch` for the limits)."""
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    open_readers = dict(readers)
+    while len(results) < len(processes):
+        for ready in multiprocessing.connection.wait(list(open_readers), timeout=0.05):
+            reader = cast(multiprocessing.connection.Connection, ready)
+            name = open_readers.pop(reader)
+            try:
+                rank, ok, blob, error, error_type, tb, pid = pickle.loads(reader.recv_bytes())
+                value = pickle.loads(blob) if blob is not None else None
+                results[rank] = RankResult(rank, ok, value, error, error_type, tb, pid)
+            except EOFError:  # it exited without reporting
+                process = processes[name]
+                process.join(timeout=5)
+                results[name] = RankResult(
+                    name, False, error=_describe_exit(process.exitcode), pid=process.pid
+                )
+        now = time.monotonic()
+        if failed_at is None and any(not r.ok for r in results.values()):
+            failed_at = now
+        if failed_at is not None and now - failed_at > grace:
+            break
+        if now > deadline:
+            break
+    for name, process in processes.items():
+        if name not in results:
+            why = "did not finish" if failed_at is None else "did not stop"
+            limit = timeout if failed_at is None else grace
+            results[name] = RankResult(
+                name, False, error=f"{why} within {limit:g} s", pid=process.pid
+            )
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while launching (main thread only), so a terminated
+    launcher cleans up exactly like an interrupted one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import queue
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,9 @@ import torch
 
 from afd_models import PRESET_NAMES, MonolithicModel, RandomWeights, preset
 from afd_protocol import AFDError, Role, SharedPlacement, SlotLayout, Topology, relative_error
-from afd_protocol.launch import LaunchError, RankSpec, launch
+from afd_protocol.launch import RankSpec, launch
 from afd_tools.run import ranks
+from afd_tools.run.lockstep import pipes as lockstep_pipes
 from afd_tools.run.metrics import ModeSummary, ratios, summarize
 from afd_tools.run.report import print_report, write_plot
 from afd_tools.run.workload import (
@@ -144,9 +145,9 @@ def _run(args: argparse.Namespace) -> int:
     )
     window = slot.window(ring_depth=1)
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(args.attention_ranks)
-    has_work = ctx.Array("i", args.attention_ranks)
-    progress = ctx.Queue()
+    # Pipes only (no semaphore, no shared-memory name): nothing outlives a crash.
+    inboxes, outboxes = lockstep_pipes(ctx, args.attention_ranks)
+    progress, progress_writer = ctx.Pipe(duplex=False)
     common = {"config": config, "seed": args.seed, "timeout": args.timeout}
     specs = [
         RankSpec(
@@ -158,9 +159,9 @@ def _run(args: argparse.Namespace) -> int:
                 "requests": [q for q in requests if q.replica == r],
                 "modes": modes,
                 "max_tokens": args.max_num_batched_tokens,
-                "barrier": barrier,
-                "has_work": has_work,
-                "progress": progress,
+                "lockstep_inbox": inboxes[r],
+                "lockstep_outboxes": outboxes,
+                "progress": progress_writer,
                 "run_timeout": args.run_timeout,
             },
         )
@@ -178,7 +179,11 @@ def _run(args: argparse.Namespace) -> int:
         f"({args.workload_file or args.workload}: {sum(lengths)} tokens, sum of squares "
         f"{square}), modes {', '.join(modes)}"
     )
-    results = _launch_with_progress(window, specs, len(requests) * len(modes), args)
+    try:
+        results = _launch_with_progress(window, specs, len(requests) * len(modes), progress, args)
+    finally:
+        for end in [*inboxes, *outboxes, progress, progress_writer]:
+            end.close()
 
     replica_values = [results[f"attention rank {r}"].value for r in range(args.attention_ranks)]
     ffn_intervals = [results[f"ffn rank {r}"].value["intervals"] for r in range(args.ffn_ranks)]
@@ -214,44 +219,37 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _launch_with_progress(
-    window: Any, specs: list[RankSpec], total: int, args: argparse.Namespace
+    window: Any, specs: list[RankSpec], total: int, progress: Connection, args: argparse.Namespace
 ) -> dict[str, Any]:
-    progress_queue = specs[0].kwargs["progress"]
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["results"] = launch(window, specs, timeout=args.run_timeout)
-        except BaseException as exc:  # re-raised in the main thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    bar = None
+    """Run the ranks with :func:`launch` in this (main) thread -- so that Ctrl-C and SIGTERM
+    stop and clean up everything -- while a helper thread draws the progress bar."""
+    stop = threading.Event()
+    bar_thread = None
     if not args.no_progress and sys.stderr.isatty():
-        from rich.progress import Progress
-
-        bar = Progress(transient=True)
-        bar.start()
-        task = bar.add_task("prefill requests (all modes)", total=total)
+        bar_thread = threading.Thread(
+            target=_draw_progress, args=(progress, total, stop), daemon=True
+        )
+        bar_thread.start()
     try:
-        while thread.is_alive():
-            try:
-                progress_queue.get(timeout=0.1)
-                if bar is not None:
-                    bar.advance(task)
-            except queue.Empty:
-                pass
+        return dict(launch(window, specs, timeout=args.run_timeout))
     finally:
-        if bar is not None:
-            bar.stop()
-    thread.join()
-    if "error" in outcome:
-        error = outcome["error"]
-        if isinstance(error, LaunchError):
-            raise error
-        raise error
-    return dict(outcome["results"])
+        stop.set()
+        if bar_thread is not None:
+            bar_thread.join(timeout=5)
+
+
+def _draw_progress(progress: Connection, total: int, stop: threading.Event) -> None:
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("prefill requests (all modes)", total=total)
+        while not stop.is_set():
+            if progress.poll(0.1):
+                try:
+                    progress.recv_bytes()
+                except (EOFError, OSError):
+                    return
+                bar.advance(task)
 
 
 def _verify(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
 import torch
@@ -29,9 +30,11 @@ from afd_protocol import (
     Connection,
     DispatchHandle,
     EndpointOptions,
-    PeerTimeout,
     SharedPlacement,
 )
+from afd_protocol.core.rendezvous import check_supervisor
+from afd_protocol.launch import roster
+from afd_tools.run.lockstep import Lockstep
 from afd_tools.run.workload import Request
 
 
@@ -61,9 +64,9 @@ class LockstepEndpoint:
     """An attention endpoint whose every dispatch first waits for all replicas: the
     lockstep of synchronous AFD, as an :class:`~afd_protocol.AttentionEndpoint`."""
 
-    def __init__(self, endpoint: AttentionEndpoint, barrier: Any, timeout: float) -> None:
+    def __init__(self, endpoint: AttentionEndpoint, lockstep: Lockstep, timeout: float) -> None:
         self.endpoint = endpoint
-        self.barrier = barrier
+        self.lockstep = lockstep
         self.timeout = timeout
         self.wait_s = 0.0
 
@@ -92,7 +95,7 @@ class LockstepEndpoint:
         stage: int = 0,
     ) -> DispatchHandle:
         start = time.monotonic()
-        _barrier_wait(self.barrier, self.timeout, "a replica stopped at a MoE layer")
+        self.lockstep.barrier(self.timeout, f"lockstep before layer {layer_idx}")
         self.wait_s += time.monotonic() - start
         return self.endpoint.dispatch(layer_idx, hidden_states, topk_ids, topk_weights, stage)
 
@@ -109,13 +112,6 @@ class LockstepEndpoint:
         self.endpoint.close()
 
 
-def _barrier_wait(barrier: Any, timeout: float, what: str) -> None:
-    try:
-        barrier.wait(timeout)
-    except Exception as exc:  # threading.BrokenBarrierError from a multiprocessing barrier
-        raise PeerTimeout(f"sync barrier broken or timed out after {timeout:g} s ({what})") from exc
-
-
 def attention_replica(
     connection: Connection,
     *,
@@ -124,9 +120,9 @@ def attention_replica(
     requests: list[Request],
     modes: list[str],
     max_tokens: int,
-    barrier: Any,
-    has_work: Any,
-    progress: Any,
+    lockstep_inbox: Pipe,
+    lockstep_outboxes: list[Pipe],
+    progress: Pipe,
     timeout: float,
     run_timeout: float,
 ) -> dict[str, Any]:
@@ -139,8 +135,14 @@ def attention_replica(
         MonolithicModel(config, weights, dtype=torch_dtype) if "colocated" in modes else None
     )
     endpoint = connection.attention_endpoint(EndpointOptions(timeout=timeout))
-    lockstep = LockstepEndpoint(endpoint, barrier, run_timeout)
-    me = connection.rank
+    everyone = roster()
+    replicas = {
+        r: everyone[f"attention rank {r}"]
+        for r in range(len(lockstep_outboxes))
+        if f"attention rank {r}" in everyone
+    }
+    steps = Lockstep(connection.rank, lockstep_inbox, lockstep_outboxes, replicas)
+    lockstep = LockstepEndpoint(endpoint, steps, run_timeout)
     prompts = {
         r.request_id: prompt_tokens(r.request_id, r.prompt_len, config.vocab_size, seed)
         for r in requests
@@ -152,18 +154,14 @@ def attention_replica(
         colocated.forward(warm, compute_logits=False)
     out: dict[str, Any] = {}
     for mode in modes:
-        _barrier_wait(barrier, run_timeout, f"start of mode {mode}")
+        steps.barrier(run_timeout, f"start of mode {mode}")
         origin = time.monotonic()
         result = ModeResult(origin=origin)
         pending = sorted(requests, key=lambda r: (r.arrival, r.request_id))
         while True:
             now = time.monotonic() - origin
             if mode == "sync":
-                has_work[me] = 1 if pending else 0
-                _barrier_wait(barrier, run_timeout, "step start")
-                anyone = any(has_work[:])
-                _barrier_wait(barrier, run_timeout, "step start")
-                if not anyone:
+                if not any(steps.exchange(1 if pending else 0, run_timeout, "step start")):
                     break
             elif not pending:
                 break
@@ -174,6 +172,8 @@ def attention_replica(
                 batch.append(request)
                 used += request.prompt_len
             if not batch and mode != "sync":
+                # Idle until the next arrival; an orphan (launcher gone) stops here too.
+                check_supervisor(f"attention replica {connection.rank}")
                 time.sleep(min(0.01, max(0.0, pending[0].arrival - now)))
                 continue
             start = time.monotonic() - origin
@@ -200,7 +200,7 @@ def attention_replica(
                 for row, request in enumerate(batch):
                     result.done[request.request_id] = end
                     result.last_hidden[request.request_id] = last[row].clone()
-                    progress.put(1)
+                    progress.send_bytes(b"1")
                 done_ids = {r.request_id for r in batch}
                 pending = [r for r in pending if r.request_id not in done_ids]
         out[mode] = result

@@ -73,6 +73,29 @@ def process_alive(pid: int, start_time: int | None) -> bool:
     return fields[0] not in ("Z", "X", "x") and int(fields[19]) == start_time
 
 
+SUPERVISOR_ENV = "AFD_SUPERVISOR"
+"""``"pid:start_time"`` of the process that launched this rank (set by the launcher). A
+rank whose launcher is gone stops waiting: an orphan would otherwise wait for peers that
+nobody will restart, until its timeout."""
+
+
+def supervisor_from_env() -> tuple[int, int | None] | None:
+    """The launcher named in ``AFD_SUPERVISOR``, or None when this rank has none."""
+    raw = os.environ.get(SUPERVISOR_ENV)
+    if not raw:
+        return None
+    pid, _, start = raw.partition(":")
+    return int(pid), int(start) if start and start != "None" else None
+
+
+def check_supervisor(who: str) -> None:
+    """Raise :class:`PeerAborted` when the launcher named in ``AFD_SUPERVISOR`` is gone: for
+    wait loops outside a transport (a rank idle between requests) to stop as orphans."""
+    supervisor = supervisor_from_env()
+    if supervisor is not None and not process_alive(*supervisor):
+        raise PeerAborted(f"{who}: its launcher (pid {supervisor[0]}) exited")
+
+
 # ---- stores -------------------------------------------------------------------------
 
 
@@ -143,12 +166,15 @@ class DirectoryStore:
 
 DEFAULT_TCP_PORT = 29517
 ENV_TCP_PORT = "AFD_STORE_PORT"
+OLD_ENV_TCP_PORT = "AFD_NVSHMEM_STORE_PORT"
+"""Its name before the rendezvous moved into afd-protocol; still read."""
 
 
 class TcpStore:
     """A ``torch.distributed.TCPStore`` on 127.0.0.1, hosted by world rank 0.
 
-    The port is ``port``, else ``AFD_STORE_PORT``, else 29517 -- the same on every rank.
+    The port is ``port``, else ``AFD_STORE_PORT`` (or its old name
+    ``AFD_NVSHMEM_STORE_PORT``), else 29517 -- the same on every rank.
     Timeouts become :class:`PeerTimeout` naming the key and the port.
     """
 
@@ -159,9 +185,10 @@ class TcpStore:
 
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported
 
-        self.port = (
-            port if port is not None else int(os.environ.get(ENV_TCP_PORT, DEFAULT_TCP_PORT))
-        )
+        if port is None:
+            named = os.environ.get(ENV_TCP_PORT) or os.environ.get(OLD_ENV_TCP_PORT)
+            port = int(named) if named else DEFAULT_TCP_PORT
+        self.port = port
         self.timeout = timeout
         try:
             self._store = TCPStore(
@@ -233,13 +260,13 @@ class Rendezvous:
         self._ns = namespace
         self._liveness_interval = liveness_interval
         self._peers: dict[int, PeerRecord] = {}
+        self._supervisor = supervisor_from_env()
 
     def key(self, kind: str, world_rank: int) -> str:
         return f"{self._ns}/{kind}/{world_rank}"
 
     def describe(self, world_rank: int) -> str:
-        role, rank = self.topology.role_of(world_rank)
-        return f"{role.value} rank {rank}"
+        return self.topology.rank_name(world_rank)
 
     def join(
         self,
@@ -286,10 +313,23 @@ class Rendezvous:
 
         Raises :class:`PeerAborted` as soon as a peer reported a failure or its process is
         gone, :class:`PeerTimeout` after ``timeout`` seconds (None: no deadline -- the wait
-        still ends when a peer dies).
+        still ends when a peer dies); either way this rank's failure is published, so the
+        others stop waiting for it.
         """
+        what = f"{self.who} at the {name!r} barrier"
         self.store.set(self.key(name, self.world_rank), b"1")
-        self._wait(name, peers, timeout, f"{self.who} at the {name!r} barrier")
+        try:
+            self._wait(name, peers, timeout, what)
+            # A peer may have arrived and reported a failure right after: look once more, so
+            # ranks about to enter a collective step (NVSHMEM's start-up) do not wait there
+            # for one that will never come. Not liveness: a peer with nothing to do may
+            # legitimately have finished and exited already.
+            why = self._failure(peers, liveness=False)
+            if why is not None:
+                raise PeerAborted(f"{what}: {why}")
+        except (PeerAborted, PeerTimeout) as exc:
+            self.fail(str(exc))
+            raise
 
     def fail(self, reason: str) -> None:
         """Tell every peer that this rank failed (best effort: the store may be gone)."""
@@ -298,7 +338,11 @@ class Rendezvous:
             self.store.set(self.key("failed", self.world_rank), reason.encode())
 
     def check_alive(self, peers: Sequence[int]) -> None:
-        """Raise :class:`PeerAborted` naming every joined peer whose process is gone."""
+        """Raise :class:`PeerAborted` naming every joined peer whose process is gone, or the
+        launcher that started this rank (``AFD_SUPERVISOR``) when it is gone."""
+        orphaned = self._orphaned()
+        if orphaned is not None:
+            raise PeerAborted(f"{self.who}: {orphaned}")
         dead = [w for w in peers if w in self._peers and not self._alive(w)]
         if dead:
             names = ", ".join(f"{self.describe(w)} (pid {self._peers[w].pid})" for w in dead)
@@ -308,14 +352,22 @@ class Rendezvous:
         peer = self._peers[world_rank]
         return process_alive(peer.pid, peer.start_time)
 
-    def _failure(self, peers: Sequence[int]) -> str | None:
-        """Why some peer failed or died, or None when all are fine."""
+    def _orphaned(self) -> str | None:
+        if self._supervisor is not None and not process_alive(*self._supervisor):
+            return f"its launcher (pid {self._supervisor[0]}) exited"
+        return None
+
+    def _failure(self, peers: Sequence[int], liveness: bool = True) -> str | None:
+        """Why some peer failed or died (or the launcher did), or None when all are fine."""
+        orphaned = self._orphaned()
+        if orphaned is not None:
+            return orphaned
         for w in peers:
             failed = self.key("failed", w)
             if self.store.check([failed]):
                 reason = self.store.get(failed).decode(errors="replace")
                 return f"{self.describe(w)} failed: {reason}"
-            if w in self._peers and not self._alive(w):
+            if liveness and w in self._peers and not self._alive(w):
                 return f"{self.describe(w)} (pid {self._peers[w].pid}) exited"
         return None
 
@@ -346,11 +398,14 @@ class Rendezvous:
 
 
 __all__ = [
+    "SUPERVISOR_ENV",
     "DirectoryStore",
     "KeyValueStore",
     "PeerRecord",
     "Rendezvous",
     "TcpStore",
+    "check_supervisor",
     "process_alive",
     "process_start_time",
+    "supervisor_from_env",
 ]
