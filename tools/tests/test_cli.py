@@ -111,3 +111,28 @@ def test_bench_rejects_arguments_it_cannot_measure(capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert "--iterations must be >= 200" in err
     assert "--max-bytes must be >= 4096" in err
+
+
+def test_soak_judges_growth_from_the_samples() -> None:
+    from afd_tools.soak import RankSamples
+
+    steady = RankSamples("afd-ffn0", rss=[300 << 20] * 40, fds=[8] * 40)
+    assert steady.verdict()[0]
+    leaking = RankSamples("afd-ffn0", rss=[(300 + 2 * i) << 20 for i in range(40)], fds=[8] * 40)
+    ok, text = leaking.verdict()
+    assert not ok
+    assert "RSS" in text
+    fd_leak = RankSamples("afd-ffn0", rss=[300 << 20] * 40, fds=[8 + i for i in range(40)])
+    assert not fd_leak.verdict()[0]
+    assert not RankSamples("afd-ffn0", rss=[1] * 3, fds=[1] * 3).verdict()[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_short_soak_verifies_every_output_and_finds_no_growth(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The CI version of `make soak`: every mode, Poisson arrivals, chunked long prompts."""
+    assert main(["soak", "--requests", "300", "--rate", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: outputs verified, no rank grew" in out
+    assert out.count(" ok\n") == 4  # two attention replicas, two FFN ranks

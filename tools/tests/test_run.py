@@ -65,12 +65,72 @@ def test_shared_experts_on_ffn_in_bf16_with_poisson_arrivals(
     assert "PASS" in capsys.readouterr().out
 
 
-def test_configuration_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*SMALL, "--rate", "-2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "afd run: error: --rate must be a positive number of requests per second, got -2.0"
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--rate", "-2"], "--rate must be a positive number of requests per second, got -2.0"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+        (["--max-prompt-len", "0"], "--max-prompt-len must be >= 1, got 0"),
+        (
+            ["--json", "/nonexistent-dir/run.json"],
+            "cannot write /nonexistent-dir/run.json: the directory /nonexistent-dir does not exist",
+        ),
+        (["--plot", "."], ". is a directory; give a file name to write to"),
+    ],
+)
+def test_configuration_errors_are_one_line_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main([*SMALL, *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"afd run: error: {message}"]
+    assert "afd run: 2 attention" not in captured.out  # refused before launching anything
+
+
+def test_prompts_longer_than_the_budget_are_prefilled_in_chunks_in_every_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prompts of 1x, 2.5x and 8x the budget mixed with short ones: each is prefilled over
+    several steps and every final hidden state still matches the unchunked reference."""
+    budget = 16
+    workload = tmp_path / "long.jsonl"
+    lengths = [budget, 3, budget * 5 // 2, 1, budget * 8, 7]
+    workload.write_text("".join(json.dumps({"prompt_len": n}) + "\n" for n in lengths))
+    report = tmp_path / "run.json"
+    argv = [
+        "run",
+        "--workload-file",
+        str(workload),
+        "--max-num-batched-tokens",
+        str(budget),
+        "--no-progress",
+        "--json",
+        str(report),
     ]
+    assert main(argv) == 0
+    assert "PASS" in capsys.readouterr().out
+    data = json.loads(report.read_text())
+    assert data["verification_failures"] == {}
+    assert set(data["modes"]) == {"async", "sync", "colocated"}
+
+
+def test_a_budget_of_one_token_works_and_given_tokens_are_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload = tmp_path / "tokens.jsonl"
+    workload.write_text('{"prompt_tokens": [5, 17, 3]}\n{"prompt_len": 2}\n')
+    argv = [
+        "run",
+        "--workload-file",
+        str(workload),
+        "--max-num-batched-tokens",
+        "1",
+        "--mode",
+        "async",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 def _session(sid: int) -> dict[int, str]:

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from afd_tools.run.metrics import percentile
 from afd_tools.run.workload import (
     PRESETS,
+    ChunkQueue,
     Request,
     WorkloadError,
     arrival_times,
     assign,
-    batches,
     prompt_lengths,
-    read_lengths,
+    read_workload,
 )
 
 
@@ -51,20 +51,54 @@ def test_bad_options_are_clear_errors() -> None:
         assign([4], [0.0], 1, "random")
 
 
-def test_jsonl_lengths_and_their_errors(tmp_path: Path) -> None:
+def test_jsonl_prompts_lengths_or_tokens(tmp_path: Path) -> None:
     good = tmp_path / "w.jsonl"
     good.write_text(json.dumps({"prompt_len": 5}) + "\n\n" + json.dumps({"prompt_tokens": [1, 2]}))
-    assert read_lengths(good, 64) == [5, 2]
+    assert read_workload(good, 64, 100) == [(5, None), (2, (1, 2))]
+
+
+BAD_LINES = [
+    ('{"len": 3}', "exactly one of prompt_len"),
+    ('{"prompt_len": 3, "prompt_tokens": [1]}', "exactly one of prompt_len"),
+    ("[3]", "exactly one of prompt_len"),
+    ("{prompt_len: 3}", "not valid JSON"),
+    ('{"prompt_len": Infinity}', r"prompt_len must be a whole number in \[1, 64\].*Infinity"),
+    ('{"prompt_len": 1e30}', "prompt_len must be a whole number"),
+    ('{"prompt_len": 10000000000000000000000}', "prompt_len must be a whole number"),
+    ('{"prompt_len": 3.0}', "prompt_len must be a whole number"),
+    ('{"prompt_len": true}', "prompt_len must be a whole number"),
+    ('{"prompt_len": 0}', "prompt_len must be a whole number"),
+    ('{"prompt_len": 65}', r"in \[1, 64\] \(the model's longest prompt\), got 65"),
+    ('{"prompt_tokens": []}', "a list of 1 to 64 token ids, got 0 tokens"),
+    ('{"prompt_tokens": "abc"}', "got str"),
+    ('{"prompt_tokens": [1, 100]}', r"prompt_tokens\[1\] must be a token id in \[0, 100\)"),
+    ('{"prompt_tokens": [1, -1]}', r"prompt_tokens\[1\]"),
+    ('{"prompt_tokens": [1, 2.5]}', r"prompt_tokens\[1\]"),
+]
+
+
+@pytest.mark.parametrize(("line", "message"), BAD_LINES)
+def test_every_bad_workload_line_is_one_error_naming_file_line_and_field(
+    tmp_path: Path, line: str, message: str
+) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt_len": 5}\n{"len": 3}\n')
-    with pytest.raises(WorkloadError, match=r"bad\.jsonl:2: expected a JSON object"):
-        read_lengths(bad, 64)
-    long = tmp_path / "long.jsonl"
-    long.write_text('{"prompt_len": 65}\n')
-    with pytest.raises(WorkloadError, match="65 tokens is outside"):
-        read_lengths(long, 64)
-    with pytest.raises(WorkloadError, match="cannot read"):
-        read_lengths(tmp_path / "missing.jsonl", 64)
+    bad.write_text('{"prompt_len": 5}\n' + line + "\n")
+    with pytest.raises(WorkloadError, match=r"bad\.jsonl:2: ") as caught:
+        read_workload(bad, 64, 100)
+    assert caught.match(message)
+
+
+def test_unreadable_workload_files_are_one_clear_error(tmp_path: Path) -> None:
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt_len": 5}\n{"prompt_len": 5} \xe9\n')
+    with pytest.raises(WorkloadError, match=r"latin\.jsonl:2: not UTF-8 text"):
+        read_workload(latin, 64, 100)
+    with pytest.raises(WorkloadError, match="cannot read the workload file"):
+        read_workload(tmp_path / "missing.jsonl", 64, 100)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(WorkloadError, match="holds no requests"):
+        read_workload(empty, 64, 100)
 
 
 def test_poisson_arrivals_increase_at_the_asked_rate() -> None:
@@ -86,12 +120,47 @@ def test_assignment_policies() -> None:
     assert load == [100, 54]  # everything after the long prompt goes to the idle replica
 
 
-def test_batches_are_fcfs_within_the_token_budget() -> None:
-    requests = [Request(i, n, float(i)) for i, n in enumerate([30, 30, 50, 10, 90])]
-    got = [[r.request_id for r in b] for b in batches(requests, 100)]
-    assert got == [[0, 1], [2, 3], [4]]
-    with pytest.raises(WorkloadError, match="request 0 has 101 prompt tokens"):
-        batches([Request(0, 101, 0.0)], 100)
+def test_steps_are_fcfs_within_the_budget_and_chunk_what_does_not_fit() -> None:
+    requests = [Request(i, n, 0.0) for i, n in enumerate([30, 30, 50, 10, 250])]
+    queue = ChunkQueue(requests, 100)
+    steps = []
+    while not queue.empty:
+        steps.append([(c.request_id, c.begin, c.end, c.final) for c in queue.next_step(0.0)])
+    assert steps == [
+        [(0, 0, 30, True), (1, 0, 30, True), (2, 0, 40, False)],  # 2 does not fit: a chunk
+        [(2, 40, 50, True), (3, 0, 10, True), (4, 0, 80, False)],  # its rest goes first
+        [(4, 80, 180, False)],
+        [(4, 180, 250, True)],
+    ]
+
+
+def test_steps_take_only_arrived_requests_and_a_budget_of_one_works() -> None:
+    queue = ChunkQueue([Request(0, 3, 0.0), Request(1, 2, 5.0)], 1)
+    assert [(c.request_id, c.begin) for c in queue.next_step(0.0)] == [(0, 0)]
+    assert queue.next_step(0.0)[0].begin == 1
+    assert queue.next_step(4.9)[0].final  # request 0 done; 1 has not arrived
+    assert queue.next_step(4.9) == []
+    assert queue.next_arrival == 5.0
+    assert [c.request_id for c in queue.next_step(5.0)] == [1]
+    with pytest.raises(WorkloadError, match="--max-num-batched-tokens must be >= 1, got 0"):
+        ChunkQueue([], 0)
+
+
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=20),
+    st.integers(1, 128),
+)
+def test_every_prompt_token_is_scheduled_once_in_order(lengths: list[int], budget: int) -> None:
+    queue = ChunkQueue([Request(i, n, 0.0) for i, n in enumerate(lengths)], budget)
+    covered = dict.fromkeys(range(len(lengths)), 0)
+    while not queue.empty:
+        step = queue.next_step(0.0)
+        assert 0 < sum(c.end - c.begin for c in step) <= budget
+        for chunk in step:
+            assert chunk.begin == covered[chunk.request_id]  # in order, no gap, no overlap
+            covered[chunk.request_id] = chunk.end
+            assert chunk.final == (chunk.end == lengths[chunk.request_id])
+    assert covered == dict(enumerate(lengths))
 
 
 @given(st.lists(st.floats(0, 1e6), min_size=1, max_size=300), st.sampled_from([50, 90, 99]))

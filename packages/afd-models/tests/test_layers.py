@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from afd_models import (
     ConfigError,
+    KVCache,
     MonolithicModel,
-    PrefixKV,
     PromptBatch,
+    PromptChunk,
     RandomWeights,
     RMSNorm,
     RotaryEmbedding,
@@ -128,15 +129,15 @@ def test_mla_attention_matches_naive_per_request(name: str, stages: int) -> None
     x = torch.randn(sum(lengths), config.hidden_size, generator=torch.Generator().manual_seed(2))
     attention = model.trunk.layers[1].attention
     positions = batch.positions()
-    prefix = PrefixKV()
+    cache = KVCache()
     with torch.inference_mode():
         out = torch.cat(
             [
-                attention(x[s.begin : s.end], positions[s.begin : s.end], s.segments, prefix)
+                attention(x[s.begin : s.end], positions[s.begin : s.end], s.segments, cache)
                 for s in batch.stages(stages)
             ]
         )
-    assert len(prefix) == 0  # nothing left behind once every request is finished
+    assert len(cache) == 0  # nothing left behind once every request is finished
     weights = model.tensors()
     expected = torch.cat(
         [naive.attention_request(config, weights, 1, chunk.double()) for chunk in x.split(lengths)]
@@ -144,11 +145,26 @@ def test_mla_attention_matches_naive_per_request(name: str, stages: int) -> None
     assert naive.relative_error(out, expected) <= 1e-5
 
 
-def test_prefix_cache_demands_stage_order() -> None:
+def test_kv_cache_demands_stage_order() -> None:
     batch = PromptBatch.from_prompts([[0] * 10])
     late = batch.stages(2)[1].segments[0]
     with pytest.raises(ConfigError, match="in order"):
-        PrefixKV().extend(0, late, torch.zeros(5, 1, 2), torch.zeros(5, 1, 2))
+        KVCache().extend(0, late, torch.zeros(5, 4), torch.zeros(5, 2))
+
+
+def test_chunks_carry_their_positions_and_only_the_final_one_ends_the_request() -> None:
+    batch = PromptBatch.from_prompts(
+        [PromptChunk("a", [1, 2, 3], start=4, final=False), [7, 8], PromptChunk("b", [5], 9)]
+    )
+    assert batch.positions().tolist() == [4, 5, 6, 0, 1, 9]
+    (stage,) = batch.stages(1)
+    assert [(s.key, s.start, s.ends_request) for s in stage.segments] == [
+        ("a", 4, False),
+        (("batch entry", 1), 0, True),
+        ("b", 9, True),
+    ]
+    with pytest.raises(ConfigError, match="two chunks of one request"):
+        PromptBatch.from_prompts([PromptChunk("a", [1]), PromptChunk("a", [2], 1)])
 
 
 def test_softmax_scale_uses_mscale_all_dim() -> None:

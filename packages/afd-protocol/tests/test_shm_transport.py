@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +139,13 @@ def test_garbage_in_a_slot_is_a_protocol_error_not_a_crash() -> None:
 def test_garbage_fails_the_run_fast_when_not_tolerated() -> None:
     window = layout(1, 1, experts=4, ring_depth=2)
     specs = _garbage_specs({"timeout": 30}, {})
-    start = time.monotonic()
     with pytest.raises(LaunchError) as caught:
         launch(window, specs, timeout=60)
-    assert time.monotonic() - start < 20  # the abort word stops the attention rank early
     results = caught.value.results
     assert results["ffn rank 0"].error_type == "ProtocolError"
+    # Stopped by the FFN rank's abort word, not by its own 30 s timeout (a PeerTimeout).
     assert results["attention rank 0"].error_type == "PeerAborted"
+    assert "aborted" in (results["attention rank 0"].error or "")
     # The message says where each rank raised, so a failure is findable without the tracebacks.
     assert "raised at ffn.py:" in str(caught.value)
 
@@ -160,16 +159,14 @@ def test_killed_ffn_rank_fails_its_peers_within_the_timeout_and_leaks_nothing() 
         RankSpec(Role.FFN, 0, workers.ffn_linear, {"seed": 0, "layers": 1}),
         RankSpec(Role.FFN, 1, workers.ffn_linear, {"seed": 0, "layers": 1, "die_after": 5}),
     ]
-    start = time.monotonic()
     with pytest.raises(LaunchError) as caught:
         launch(window, specs, timeout=60, on_start=pids.update)
-    elapsed = time.monotonic() - start
     results = caught.value.results
     assert results["ffn rank 1"].error == "killed by SIGKILL"
-    assert results["attention rank 0"].error_type in ("PeerAborted", "PeerTimeout")
-    assert "ffn rank 1" in results["attention rank 0"].error
+    # Found dead by the liveness check, not by waiting out the 10 s timeout (a PeerTimeout).
+    assert results["attention rank 0"].error_type == "PeerAborted"
+    assert "ffn rank 1 (pid" in (results["attention rank 0"].error or "")
     assert results["ffn rank 0"].error_type == "PeerAborted"
-    assert elapsed < 30, f"took {elapsed:.1f} s"
     for pid in pids.values():  # every process is gone
         assert not _child_of_this_process(pid)  # reaped (a reused pid belongs to someone else)
     assert set(leftover_segments()) <= before

@@ -3,7 +3,6 @@ the shared-memory transport. Skipped without two GPUs and the NVSHMEM library.""
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import afd_nvshmem_workers as workers
@@ -117,14 +116,12 @@ def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout() -> None:
         ),
         RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 2, "die_after": 3}),
     ]
-    start = time.monotonic()
     with pytest.raises(LaunchError) as caught:
         launch(window(), specs, timeout=240, transport_factory=factory())
-    elapsed = time.monotonic() - start
     results = caught.value.results
     assert results["ffn rank 0"].error == "killed by SIGKILL"
-    assert results["attention rank 0"].error_type in ("PeerAborted", "PeerTimeout")
-    assert elapsed < 120
+    # Found dead by the liveness check, not by waiting out the 60 s timeout (a PeerTimeout).
+    assert results["attention rank 0"].error_type == "PeerAborted"
 
 
 def test_shm_and_nvshmem_transports_agree() -> None:
@@ -154,10 +151,8 @@ def test_two_ranks_on_one_gpu_are_refused_at_start_up() -> None:
         RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": 1, "seed": 0}),
         RankSpec(Role.FFN, 1, workers.ffn_grouped, {"layers": 1, "seed": 0}),
     ]
-    start = time.monotonic()
     with pytest.raises(LaunchError) as caught:
         launch(window(num_ffn_ranks=2), specs, timeout=90, transport_factory=factory())
-    assert time.monotonic() - start < 60
     for result in caught.value.results.values():
         assert result.error_type == "TopologyError", result.error
         assert "attention rank 0 and ffn rank 1 would share a GPU" in (result.error or "")

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from afd_protocol import AFDError
-from afd_tools import __version__, roundtrip
+from afd_tools import __version__, roundtrip, soak
 from afd_tools.bench import cli as bench_cli
 from afd_tools.run import command as run_command
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_command.add_parser(sub)
     roundtrip.add_parser(sub)
     bench_cli.add_parser(sub)
+    soak.add_parser(sub)
     return parser
 
 

@@ -26,7 +26,7 @@ from afd_models.backends import (
     register_expert_backend,
     unregister_expert_backend,
 )
-from afd_models.batch import PrefixKV, PromptBatch, Segment, Stage
+from afd_models.batch import KVCache, Prompt, PromptBatch, PromptChunk, Segment, Stage
 from afd_models.config import DeepseekConfig, RopeScaling
 from afd_models.errors import BackendUnavailable, ConfigError, WeightsError
 from afd_models.experts import ExpertWeights, GroupedRows
@@ -75,6 +75,7 @@ __all__ = [
     "GatedMLP",
     "GroupedMMBackend",
     "GroupedRows",
+    "KVCache",
     "MLAttention",
     "MoELayer",
     "ModelParams",
@@ -82,8 +83,9 @@ __all__ = [
     "ParamKind",
     "ParamSpec",
     "PrefillOutput",
-    "PrefixKV",
+    "Prompt",
     "PromptBatch",
+    "PromptChunk",
     "RMSNorm",
     "RandomWeights",
     "ReferenceBackend",

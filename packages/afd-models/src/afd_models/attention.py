@@ -3,9 +3,11 @@
 Prefill uses the straightforward form: queries from ``q_proj`` (or the low-rank
 ``q_a_proj -> q_a_layernorm -> q_b_proj``), a shared compressed latent and one rotary
 key per token from ``kv_a_proj_with_mqa``, per-head keys/values expanded from the
-normalised latent by ``kv_b_proj``. Each request attends causally to itself only;
-a segment that starts mid-request (a later stage) attends to the request's earlier
-tokens through :class:`~afd_models.batch.PrefixKV`.
+normalised latent by ``kv_b_proj``. Each request attends causally to itself only; a
+segment that starts mid-request (a later stage, or a later chunk of a long prompt)
+attends to the request's earlier tokens through :class:`~afd_models.batch.KVCache`, which
+keeps the compressed latent and rope key per token; they are expanded to per-head keys and
+values here, row by row exactly as the request's own tokens are.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as nnf
 
-from afd_models.batch import PrefixKV, Segment
+from afd_models.batch import KVCache, Segment
 from afd_models.config import DeepseekConfig
 from afd_models.norm import RMSNorm
 from afd_models.params import ParamSpec
@@ -63,7 +65,7 @@ class MLAttention:
         x: torch.Tensor,
         positions: torch.Tensor,
         segments: Sequence[Segment],
-        prefix: PrefixKV,
+        cache: KVCache,
     ) -> torch.Tensor:
         """Attention output ``[t, H]`` for the rows of ``x`` (one stage)."""
         c = self.config
@@ -72,23 +74,32 @@ class MLAttention:
         q_nope, q_pe = torch.split(self._queries(x).view(t, heads, nope + rope), [nope, rope], -1)
         compressed = nnf.linear(x, self.weights["kv_a_proj_with_mqa"])
         latent, k_pe = torch.split(compressed, [c.kv_lora_rank, rope], -1)
-        kv = nnf.linear(self.kv_a_norm(latent), self.weights["kv_b_proj"]).view(
-            t, heads, nope + vdim
-        )
-        k_nope, values = torch.split(kv, [nope, vdim], -1)
+        latent = self.kv_a_norm(latent)
         cos, sin = self.rotary.cos_sin(positions)
         q_pe = self.rotary(q_pe, cos, sin)
-        k_pe = self.rotary(k_pe.reshape(t, 1, rope), cos, sin)
+        k_pe = self.rotary(k_pe.reshape(t, 1, rope), cos, sin).reshape(t, rope)
         queries = torch.cat((q_nope, q_pe), dim=-1)
-        keys = torch.cat((k_nope, k_pe.expand(t, heads, rope)), dim=-1)
         out = x.new_empty(t, heads, vdim)
         for seg in segments:
-            q = queries[seg.rows]
-            k, v = keys[seg.rows], values[seg.rows]
+            seg_latent, seg_rope = latent[seg.rows], k_pe[seg.rows]
             if seg.start or not seg.ends_request:
-                k, v = prefix.extend(self.layer, seg, k, v)
-            out[seg.rows] = self._attend(q, k, v, seg.start)
+                seg_latent, seg_rope = cache.extend(self.layer, seg, seg_latent, seg_rope)
+            k, v = self._expand(seg_latent, seg_rope)
+            out[seg.rows] = self._attend(queries[seg.rows], k, v, seg.start)
         return nnf.linear(out.reshape(t, heads * vdim), self.weights["o_proj"])
+
+    def _expand(
+        self, latent: torch.Tensor, rope_keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys and values ``[n, heads, d]`` from normed latents and rope keys."""
+        c = self.config
+        n, heads = latent.shape[0], c.num_attention_heads
+        kv = nnf.linear(latent, self.weights["kv_b_proj"]).view(
+            n, heads, c.qk_nope_head_dim + c.v_head_dim
+        )
+        k_nope, values = torch.split(kv, [c.qk_nope_head_dim, c.v_head_dim], -1)
+        rope = rope_keys.reshape(n, 1, c.qk_rope_head_dim).expand(n, heads, c.qk_rope_head_dim)
+        return torch.cat((k_nope, rope), dim=-1), values
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int

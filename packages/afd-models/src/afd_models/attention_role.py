@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from afd_models._common import resolve
-from afd_models.batch import PromptBatch
+from afd_models.batch import KVCache, Prompt, PromptBatch
 from afd_models.config import DeepseekConfig
 from afd_models.errors import ConfigError
 from afd_models.output import PrefillOutput
@@ -75,13 +75,18 @@ class AttentionRoleModel:
 
     def forward(
         self,
-        prompts: Sequence[Sequence[int] | torch.Tensor],
+        prompts: Sequence[Prompt],
         endpoint: AttentionEndpoint,
         *,
         num_stages: int = 1,
         compute_logits: bool = True,
+        cache: KVCache | None = None,
     ) -> PrefillOutput:
-        """Prefill ``prompts`` with the routed experts served through ``endpoint``."""
+        """Prefill ``prompts`` with the routed experts served through ``endpoint``.
+
+        Entries may be chunks of longer prompts (:class:`~afd_models.batch.PromptChunk`), with a
+        ``cache`` the caller keeps between calls (chunked prefill: the earlier chunks'
+        compressed MLA keys stay on this rank)."""
         if endpoint.dtype != self.dtype:
             raise ConfigError(
                 f"the window carries {endpoint.dtype} but this model runs in {self.dtype}; "
@@ -98,7 +103,12 @@ class AttentionRoleModel:
         remote = _RemoteMoE(self, endpoint)
         with torch.inference_mode():
             out = run_prefill(
-                self.trunk, batch, remote, num_stages=num_stages, compute_logits=compute_logits
+                self.trunk,
+                batch,
+                remote,
+                num_stages=num_stages,
+                compute_logits=compute_logits,
+                cache=cache,
             )
         self.stats.stages = len(batch.stages(num_stages))
         return out

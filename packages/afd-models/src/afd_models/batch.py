@@ -1,19 +1,24 @@
-"""A prefill batch of variable-length prompts, and its split into token-level stages.
+"""A prefill batch of variable-length prompts or prompt chunks, its split into stages,
+and the KV cache that joins the pieces of a prompt.
 
-Prompts are concatenated into one flat token tensor (``T`` rows); a request's tokens
-are contiguous and its positions run from 0. A batch can be cut into ``N`` *stages*:
-contiguous, near-equal token ranges that may cut through a request. A stage's
-attention then covers, per request it touches, a :class:`Segment` whose queries see
-every earlier token of that request -- those of earlier stages come from the per-layer
-prefix cache (:class:`PrefixKV`). Cutting by tokens rather than by requests lets even a
-single long prompt be pipelined (stage ``i+1``'s attention runs while stage ``i`` is at
-the FFN), and keeps the stages balanced.
+Prompts are concatenated into one flat token tensor (``T`` rows); a request's tokens are
+contiguous. An entry of a batch is either a whole prompt (positions from 0) or a
+:class:`PromptChunk`: tokens ``start .. start + n`` of a longer prompt, the way a serving
+engine prefills a prompt longer than its batch budget over several steps (chunked
+prefill). A batch can also be cut into ``N`` *stages*: contiguous, near-equal token ranges
+that may cut through a request. Either way a piece's queries must see every earlier token
+of its request: those of earlier stages or earlier steps come from the per-layer
+:class:`KVCache`, which keeps MLA's compressed latent and rotary key per token (what an
+MLA engine caches, ``kv_lora_rank + qk_rope_head_dim`` numbers a token) and expands them
+when a later piece attends. Cutting by tokens rather than by requests lets even a single
+long prompt be pipelined (stage ``i+1``'s attention runs while stage ``i`` is at the FFN),
+and keeps the stages balanced.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,17 +27,35 @@ from afd_models.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class PromptChunk:
+    """Tokens ``start .. start + len(tokens)`` of the prompt of request ``key``.
+
+    ``key`` names the request across forward calls (the chunks of one prompt share it and
+    come in order, each with the ``start`` where the last one ended); ``final`` marks the
+    chunk that ends the prompt, after which its cache entries are dropped.
+    """
+
+    key: Hashable
+    tokens: Sequence[int] | torch.Tensor
+    start: int = 0
+    final: bool = True
+
+
+@dataclass(frozen=True)
 class Segment:
     """The tokens of one request inside one stage."""
 
     request: int
+    """Index of the batch entry (prompt or chunk) the segment belongs to."""
     start: int
-    """Position (within the request) of the segment's first token."""
+    """Position (within the whole prompt) of the segment's first token."""
     length: int
     row: int
     """Row of the segment's first token in the stage's tensors."""
     ends_request: bool
-    """Whether the segment reaches the request's last token (no later stage needs it)."""
+    """Whether the segment reaches the prompt's last token (nothing later needs it)."""
+    key: Hashable = None
+    """The request's name in the :class:`KVCache`."""
 
     @property
     def rows(self) -> slice:
@@ -53,25 +76,60 @@ class Stage:
         return self.end - self.begin
 
 
+Prompt = Sequence[int] | torch.Tensor | PromptChunk
+"""A batch entry: a whole prompt (token ids) or one chunk of a longer prompt."""
+
+
 @dataclass(frozen=True)
 class PromptBatch:
-    """Concatenated prompt tokens with their lengths."""
+    """Concatenated prompt tokens with their lengths (and, for chunks, where they start)."""
 
     token_ids: torch.Tensor
-    """int64 ``[T]``, the prompts one after another."""
+    """int64 ``[T]``, the prompts (or chunks) one after another."""
     lengths: tuple[int, ...]
+    starts: tuple[int, ...] = ()
+    """Position of each entry's first token in its prompt (empty: all 0)."""
+    finals: tuple[bool, ...] = ()
+    """Whether each entry ends its prompt (empty: all do)."""
+    keys: tuple[Hashable, ...] = ()
+    """Each entry's request name in the KV cache (empty: its index in this batch)."""
 
     @classmethod
     def from_prompts(
-        cls, prompts: Sequence[Sequence[int] | torch.Tensor], device: torch.device | str = "cpu"
+        cls, prompts: Sequence[Prompt], device: torch.device | str = "cpu"
     ) -> PromptBatch:
         if not prompts:
             raise ConfigError("a prefill batch needs at least one prompt")
-        tensors = [torch.as_tensor(p, dtype=torch.int64).reshape(-1) for p in prompts]
+        chunks = [
+            p if isinstance(p, PromptChunk) else PromptChunk(("batch entry", i), p)
+            for i, p in enumerate(prompts)
+        ]
+        tensors = [torch.as_tensor(c.tokens, dtype=torch.int64).reshape(-1) for c in chunks]
         empty = [i for i, t in enumerate(tensors) if t.numel() == 0]
         if empty:
             raise ConfigError(f"prompts {empty} are empty; every prompt needs at least one token")
-        return cls(torch.cat(tensors).to(device), tuple(int(t.numel()) for t in tensors))
+        negative = [i for i, c in enumerate(chunks) if c.start < 0]
+        if negative:
+            raise ConfigError(f"chunks {negative} start before position 0")
+        keys = [c.key for c in chunks]
+        if len(set(keys)) != len(keys):
+            raise ConfigError("a batch holds two chunks of one request; give them one at a time")
+        return cls(
+            torch.cat(tensors).to(device),
+            tuple(int(t.numel()) for t in tensors),
+            tuple(c.start for c in chunks),
+            tuple(c.final for c in chunks),
+            tuple(keys),
+        )
+
+    def start_of(self, entry: int) -> int:
+        return self.starts[entry] if self.starts else 0
+
+    def is_final(self, entry: int) -> bool:
+        return self.finals[entry] if self.finals else True
+
+    def key_of(self, entry: int) -> Hashable:
+        return self.keys[entry] if self.keys else ("batch entry", entry)
 
     @property
     def num_tokens(self) -> int:
@@ -87,9 +145,12 @@ class PromptBatch:
 
     def positions(self) -> torch.Tensor:
         """int64 ``[T]``: each token's position inside its own prompt."""
-        return torch.cat([torch.arange(n, dtype=torch.int64) for n in self.lengths]).to(
-            self.token_ids.device
-        )
+        return torch.cat(
+            [
+                torch.arange(self.start_of(i), self.start_of(i) + n, dtype=torch.int64)
+                for i, n in enumerate(self.lengths)
+            ]
+        ).to(self.token_ids.device)
 
     def last_rows(self) -> torch.Tensor:
         """Row of each prompt's last token (where next-token logits come from)."""
@@ -115,46 +176,63 @@ class PromptBatch:
                     segments.append(
                         Segment(
                             request=request,
-                            start=lo - offsets[request],
+                            start=self.start_of(request) + lo - offsets[request],
                             length=hi - lo,
                             row=lo - begin,
-                            ends_request=hi == offsets[request] + length,
+                            ends_request=self.is_final(request) and hi == offsets[request] + length,
+                            key=self.key_of(request),
                         )
                     )
             stages.append(Stage(len(stages), begin, end, tuple(segments)))
         return tuple(stages)
 
 
-class PrefixKV:
-    """Keys and values of requests' earlier segments, per (layer, request).
+class KVCache:
+    """Per (layer, request): MLA's compressed keys of the request's tokens so far.
 
-    Only segments that do not end their request are kept, and an entry is dropped as
-    soon as the request's last segment consumed it, so the cache holds at most the
-    requests that straddle a stage boundary.
+    Each entry holds ``[n, kv_lora_rank]`` normalised latents and ``[n, qk_rope_head_dim]``
+    rotated rope keys for positions ``0 .. n``. A piece that does not end its request is
+    appended and kept; the piece that ends it takes the entry out. So the cache holds only
+    requests in progress: those cut by a stage boundary inside one forward, and those whose
+    later chunks come in a later forward (then the caller keeps the cache between calls).
     """
 
     def __init__(self) -> None:
-        self._store: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._store: dict[tuple[int, Hashable], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cached(self, layer: int, key: Hashable) -> int:
+        """Tokens of request ``key`` cached for ``layer``."""
+        entry = self._store.get((layer, key))
+        return 0 if entry is None else int(entry[0].shape[0])
 
     def extend(
-        self, layer: int, segment: Segment, keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, segment: Segment, latent: torch.Tensor, rope_keys: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All keys/values of the request up to the segment's end (``[len, heads, d]``)."""
-        slot = (layer, segment.request)
+        """Latents and rope keys of the request up to the segment's end."""
+        slot = (layer, segment.key)
         prefix = self._store.pop(slot, None)
         cached = 0 if prefix is None else prefix[0].shape[0]
         if cached != segment.start:
             raise ConfigError(
-                f"layer {layer}, request {segment.request}: a segment starting at position "
+                f"layer {layer}, request {segment.key!r}: a piece starting at position "
                 f"{segment.start} needs {segment.start} cached tokens but {cached} are cached; "
-                f"stages must run attention in order"
+                f"stages and chunks must run in order, each chunk starting where the last ended"
             )
         if prefix is not None:
-            keys = torch.cat((prefix[0], keys))
-            values = torch.cat((prefix[1], values))
+            latent = torch.cat((prefix[0], latent))
+            rope_keys = torch.cat((prefix[1], rope_keys))
         if not segment.ends_request:
-            self._store[slot] = (keys, values)
-        return keys, values
+            self._store[slot] = (latent, rope_keys)
+        return latent, rope_keys
+
+    def requests(self) -> set[Hashable]:
+        """Requests with something cached (in progress)."""
+        return {key for _, key in self._store}
+
+    def drop(self, key: Hashable) -> None:
+        """Forget request ``key`` (abandoned: its final chunk will not come)."""
+        for slot in [s for s in self._store if s[1] == key]:
+            del self._store[slot]
 
     def __len__(self) -> int:
         return len(self._store)

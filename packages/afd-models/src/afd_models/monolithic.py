@@ -14,7 +14,7 @@ import torch
 
 from afd_models._common import resolve
 from afd_models.backends import ExpertBackend, get_expert_backend
-from afd_models.batch import PromptBatch
+from afd_models.batch import KVCache, Prompt, PromptBatch
 from afd_models.config import DeepseekConfig
 from afd_models.experts import ExpertWeights
 from afd_models.moe import MoELayer
@@ -58,13 +58,16 @@ class MonolithicModel:
 
     def forward(
         self,
-        prompts: Sequence[Sequence[int] | torch.Tensor],
+        prompts: Sequence[Prompt],
         *,
         num_stages: int = 1,
         compute_logits: bool = True,
+        cache: KVCache | None = None,
     ) -> PrefillOutput:
         """Prefill ``prompts``; ``num_stages > 1`` runs the token-level stage split
-        (same results up to rounding; it exercises the chunked attention path)."""
+        (same results up to rounding; it exercises the chunked attention path). Entries may
+        be chunks of longer prompts (:class:`~afd_models.batch.PromptChunk`), with a ``cache``
+        the caller keeps between calls (chunked prefill)."""
         batch = PromptBatch.from_prompts(prompts, self.device)
         with torch.inference_mode():
             return run_prefill(
@@ -73,6 +76,7 @@ class MonolithicModel:
                 _LocalMoE(self.moe_layers),
                 num_stages=num_stages,
                 compute_logits=compute_logits,
+                cache=cache,
             )
 
     __call__ = forward

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from afd_models.batch import PrefixKV, PromptBatch
+from afd_models.batch import KVCache, PromptBatch
+from afd_models.errors import ConfigError
 from afd_models.output import PrefillOutput
 from afd_models.trunk import Trunk
 
@@ -38,12 +39,33 @@ def run_prefill(
     *,
     num_stages: int = 1,
     compute_logits: bool = True,
+    cache: KVCache | None = None,
 ) -> PrefillOutput:
-    """Run ``batch`` through every layer with ``num_stages`` stages (module docstring)."""
+    """Run ``batch`` through every layer with ``num_stages`` stages (module docstring).
+
+    ``cache`` holds what earlier chunks of the batch's requests left (see
+    :class:`~afd_models.batch.KVCache`); a chunk that does not end its prompt needs one that
+    the caller keeps for the next chunk.
+    """
     config = trunk.config
+    if cache is None:
+        unfinished = [i for i in range(len(batch.lengths)) if not batch.is_final(i)]
+        if unfinished:
+            raise ConfigError(
+                f"batch entries {unfinished} are chunks that do not end their prompt: pass a "
+                f"KVCache and keep it for their next chunks"
+            )
+        cache = KVCache()
+    for i in range(len(batch.lengths)):
+        have = cache.cached(0, batch.key_of(i))
+        if have != batch.start_of(i):
+            raise ConfigError(
+                f"request {batch.key_of(i)!r}: a chunk starting at position "
+                f"{batch.start_of(i)} but {have} of its tokens are cached; send each chunk "
+                f"where the previous one ended, with the same KVCache"
+            )
     stages = batch.stages(num_stages)
     positions = batch.positions()
-    prefix = PrefixKV()
     hidden = [trunk.embed_tokens(batch.token_ids[s.begin : s.end]) for s in stages]
     stage_positions = [positions[s.begin : s.end] for s in stages]
     pending: list[Any] = [None] * len(stages)
@@ -54,7 +76,7 @@ def run_prefill(
                 hidden[i] = hidden[i] + moe.end(pending[i])
                 pending[i] = None
             hidden[i], x = trunk.attention_block(
-                layer, hidden[i], stage_positions[i], stage.segments, prefix
+                layer, hidden[i], stage_positions[i], stage.segments, cache
             )
             if moe_layer:
                 pending[i] = moe.begin(layer, i, x)

@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as nnf
 
 from afd_models.attention import MLAttention
-from afd_models.batch import PrefixKV, Segment
+from afd_models.batch import KVCache, Segment
 from afd_models.config import DeepseekConfig
 from afd_models.mlp import GatedMLP
 from afd_models.norm import RMSNorm
@@ -120,11 +120,11 @@ class Trunk:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         segments: Sequence[Segment],
-        prefix: PrefixKV,
+        cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual stream after attention, post-attention-normed MLP input)``."""
         block = self.layers[layer]
-        attended = block.attention(block.input_norm(hidden), positions, segments, prefix)
+        attended = block.attention(block.input_norm(hidden), positions, segments, cache)
         hidden = hidden + self._stream(attended)
         return hidden, block.post_norm(hidden)
 

@@ -20,6 +20,7 @@ from afd_protocol.launch import RankSpec, launch
 from afd_tools.run import ranks
 from afd_tools.run.lockstep import pipes as lockstep_pipes
 from afd_tools.run.metrics import ModeSummary, ratios, summarize
+from afd_tools.run.outputs import check_writable, write_atomically
 from afd_tools.run.report import print_report, write_plot
 from afd_tools.run.workload import (
     ASSIGNMENTS,
@@ -28,7 +29,7 @@ from afd_tools.run.workload import (
     arrival_times,
     assign,
     prompt_lengths,
-    read_lengths,
+    read_workload,
 )
 
 MODES = ("async", "sync", "colocated")
@@ -57,10 +58,18 @@ def add_parser(sub: Any) -> None:
         "--workload-file",
         type=Path,
         default=None,
-        help="JSONL with prompt_len or prompt_tokens per line (overrides --workload)",
+        help="JSONL with prompt_len (a whole number) or prompt_tokens (token ids) per line "
+        "(overrides --workload)",
     )
     p.add_argument("--requests", type=int, default=48, help="number of requests")
-    p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt of a preset")
+    p.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=256,
+        help="longest prompt of a --workload preset; any length up to the model's "
+        "max_position_embeddings works with any --max-num-batched-tokens (long prompts are "
+        "prefilled in chunks)",
+    )
     p.add_argument(
         "--rate",
         type=float,
@@ -77,7 +86,8 @@ def add_parser(sub: Any) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=256,
-        help="largest prefill batch per replica (also the slot capacity)",
+        help="tokens per prefill step and replica (also the slot capacity); longer prompts "
+        "are prefilled in chunks over several steps",
     )
     p.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32", help="activations")
     p.add_argument(
@@ -126,13 +136,27 @@ def _run(args: argparse.Namespace) -> int:
     config = preset(args.preset, **overrides)
     if args.attention_ranks < 1 or args.ffn_ranks < 1:
         raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
+    if args.max_num_batched_tokens < 1:
+        raise WorkloadError(
+            f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}"
+        )
+    for path in (args.json, args.plot):
+        check_writable(path)
+    longest = config.max_position_embeddings
+    tokens: list[tuple[int, ...] | None] | None = None
     if args.workload_file is not None:
-        lengths = read_lengths(args.workload_file, args.max_num_batched_tokens)
+        prompts = read_workload(args.workload_file, longest, config.vocab_size)
+        lengths = [length for length, _ in prompts]
+        tokens = [given for _, given in prompts]
     else:
-        longest = min(args.max_prompt_len, args.max_num_batched_tokens)
-        lengths = prompt_lengths(args.workload, args.requests, args.seed, longest)
+        if args.max_prompt_len > longest:
+            raise WorkloadError(
+                f"--max-prompt-len {args.max_prompt_len} exceeds the model's longest prompt "
+                f"({longest}, max_position_embeddings)"
+            )
+        lengths = prompt_lengths(args.workload, args.requests, args.seed, args.max_prompt_len)
     arrivals = arrival_times(len(lengths), args.rate, args.seed)
-    requests = assign(lengths, arrivals, args.attention_ranks, args.assign)
+    requests = assign(lengths, arrivals, args.attention_ranks, args.assign, tokens)
 
     topology = Topology(args.attention_ranks, args.ffn_ranks, config.n_routed_experts)
     slot = SlotLayout(
@@ -201,10 +225,13 @@ def _run(args: argparse.Namespace) -> int:
             "requests": [r.__dict__ for r in requests],
             "verification_failures": failures,
         }
-        args.json.write_text(json.dumps(report, indent=2))
+        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
         print(f"wrote {args.json}")
     if args.plot is not None:
-        write_plot(args.plot, summaries, replica_values, ffn_intervals, modes)
+        write_atomically(
+            args.plot,
+            lambda tmp: write_plot(tmp, summaries, replica_values, ffn_intervals, modes),
+        )
         print(f"wrote {args.plot}")
     elapsed = time.perf_counter() - started
     if failures:
@@ -265,10 +292,8 @@ def _verify(
     tolerance = TOLERANCE[args.dtype]
     expected = {}
     for request in requests:
-        tokens = ranks.prompt_tokens(
-            request.request_id, request.prompt_len, config.vocab_size, args.seed
-        )
-        out = reference.forward([tokens], compute_logits=False)
+        prompt = ranks.request_tokens(request, config.vocab_size, args.seed)
+        out = reference.forward([prompt], compute_logits=False)
         expected[request.request_id] = out.last_hidden_states()[0].float()
     failures: dict[str, list[int]] = {}
     for mode in modes:

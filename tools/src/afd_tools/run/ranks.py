@@ -22,7 +22,10 @@ from afd_models import (
     AttentionRoleModel,
     DeepseekConfig,
     FFNRoleExecutor,
+    KVCache,
     MonolithicModel,
+    Prompt,
+    PromptChunk,
     RandomWeights,
 )
 from afd_protocol import (
@@ -35,13 +38,16 @@ from afd_protocol import (
 from afd_protocol.core.rendezvous import check_supervisor
 from afd_protocol.launch import roster
 from afd_tools.run.lockstep import Lockstep
-from afd_tools.run.workload import Request
+from afd_tools.run.workload import ChunkQueue, Request
 
 
-def prompt_tokens(request_id: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """The deterministic prompt of a request (the parent rebuilds it for verification)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + request_id)
-    return torch.randint(0, vocab, (length,), generator=gen)
+def request_tokens(request: Request, vocab: int, seed: int) -> torch.Tensor:
+    """The request's prompt: the workload's token ids, or drawn deterministically from the
+    seed (the launcher rebuilds the same tokens for verification)."""
+    if request.tokens is not None:
+        return torch.tensor(request.tokens, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + request.request_id)
+    return torch.randint(0, vocab, (request.prompt_len,), generator=gen)
 
 
 @dataclass
@@ -134,7 +140,10 @@ def attention_replica(
     colocated = (
         MonolithicModel(config, weights, dtype=torch_dtype) if "colocated" in modes else None
     )
-    endpoint = connection.attention_endpoint(EndpointOptions(timeout=timeout))
+    # The endpoint knows the model's layer count and the stages in flight, so a header that
+    # names any other layer or stage is refused.
+    options = EndpointOptions(timeout=timeout, num_layers=config.num_hidden_layers, num_stages=1)
+    endpoint = connection.attention_endpoint(options)
     everyone = roster()
     replicas = {
         r: everyone[f"attention rank {r}"]
@@ -143,12 +152,9 @@ def attention_replica(
     }
     steps = Lockstep(connection.rank, lockstep_inbox, lockstep_outboxes, replicas)
     lockstep = LockstepEndpoint(endpoint, steps, run_timeout)
-    prompts = {
-        r.request_id: prompt_tokens(r.request_id, r.prompt_len, config.vocab_size, seed)
-        for r in requests
-    }
+    prompts = {r.request_id: request_tokens(r, config.vocab_size, seed) for r in requests}
     # Warm up every path once (allocations, first-call dispatch) before anything is timed.
-    warm = [torch.zeros(4, dtype=torch.long)]
+    warm = [torch.zeros(min(4, max_tokens), dtype=torch.long)]
     afd_model.forward(warm, endpoint, compute_logits=False)
     if colocated is not None:
         colocated.forward(warm, compute_logits=False)
@@ -157,52 +163,53 @@ def attention_replica(
         steps.barrier(run_timeout, f"start of mode {mode}")
         origin = time.monotonic()
         result = ModeResult(origin=origin)
-        pending = sorted(requests, key=lambda r: (r.arrival, r.request_id))
+        queue = ChunkQueue(requests, max_tokens)
+        cache = KVCache()  # earlier chunks of prompts longer than the budget
         while True:
             now = time.monotonic() - origin
             if mode == "sync":
-                if not any(steps.exchange(1 if pending else 0, run_timeout, "step start")):
+                if not any(steps.exchange(0 if queue.empty else 1, run_timeout, "step start")):
                     break
-            elif not pending:
+            elif queue.empty:
                 break
-            batch, used = [], 0
-            for request in pending:
-                if request.arrival > now or used + request.prompt_len > max_tokens:
-                    break
-                batch.append(request)
-                used += request.prompt_len
-            if not batch and mode != "sync":
+            chunks = queue.next_step(now)
+            if not chunks and mode != "sync":
                 # Idle until the next arrival; an orphan (launcher gone) stops here too.
                 check_supervisor(f"attention replica {connection.rank}")
-                time.sleep(min(0.01, max(0.0, pending[0].arrival - now)))
+                time.sleep(min(0.01, max(0.0, queue.next_arrival - now)))
                 continue
             start = time.monotonic() - origin
-            if batch:
-                tokens = [prompts[r.request_id] for r in batch]
+            entries: list[Prompt]
+            if chunks:
+                entries = [
+                    PromptChunk(
+                        c.request_id, prompts[c.request_id][c.begin : c.end], c.begin, c.final
+                    )
+                    for c in chunks
+                ]
             else:  # sync: nothing ready; join the step with a dummy token
-                tokens = [torch.zeros(1, dtype=torch.long)]
+                entries = [torch.zeros(1, dtype=torch.long)]
                 result.dummy_batches += 1
             if mode == "colocated":
                 assert colocated is not None
-                output = colocated.forward(tokens, compute_logits=False)
+                output = colocated.forward(entries, compute_logits=False, cache=cache)
                 waited = 0.0
             else:
                 lockstep.wait_s = 0.0
                 chosen: AttentionEndpoint = lockstep if mode == "sync" else endpoint
-                output = afd_model.forward(tokens, chosen, compute_logits=False)
+                output = afd_model.forward(entries, chosen, compute_logits=False, cache=cache)
                 waited = afd_model.stats.combine_wait_s + lockstep.wait_s
             end = time.monotonic() - origin
             result.busy_s += end - start - waited
             result.wait_s += waited
-            result.batches.append((start, end, used))
-            if batch:
+            result.batches.append((start, end, sum(c.end - c.begin for c in chunks)))
+            if chunks:
                 last = output.last_hidden_states().float().cpu()
-                for row, request in enumerate(batch):
-                    result.done[request.request_id] = end
-                    result.last_hidden[request.request_id] = last[row].clone()
-                    progress.send_bytes(b"1")
-                done_ids = {r.request_id for r in batch}
-                pending = [r for r in pending if r.request_id not in done_ids]
+                for row, chunk in enumerate(chunks):
+                    if chunk.final:  # the prompt's last token: its time to first token
+                        result.done[chunk.request_id] = end
+                        result.last_hidden[chunk.request_id] = last[row].clone()
+                        progress.send_bytes(b"1")
         out[mode] = result
     endpoint.announce_shutdown()
     return out
@@ -225,7 +232,8 @@ def ffn_rank(
         backend=backend,
         shared_placement=slot.shared_placement,
     )
-    endpoint = connection.ffn_endpoint(EndpointOptions(timeout=timeout))
+    options = EndpointOptions(timeout=timeout, num_layers=config.num_hidden_layers, num_stages=1)
+    endpoint = connection.ffn_endpoint(options)
     # Idle stretches (colocated mode, sparse arrivals) are waited out; a dead peer still
     # ends the loop with PeerAborted.
     stats = executor.serve(endpoint, keep_waiting=True)

@@ -33,16 +33,19 @@ class Request:
     arrival: float
     """Seconds after the start of the run at which the request arrives."""
     replica: int = -1
+    tokens: tuple[int, ...] | None = None
+    """The prompt's token ids when the workload gave them (else drawn from the seed)."""
 
 
 def prompt_lengths(preset: str, count: int, seed: int, max_len: int, min_len: int = 4) -> list[int]:
-    """``count`` prompt lengths in ``[min_len, max_len]`` drawn from a named preset."""
+    """``count`` prompt lengths in ``[min(min_len, max_len), max_len]`` from a named preset."""
     if preset not in PRESETS:
         raise WorkloadError(f"unknown workload {preset!r}; choose one of {list(PRESETS)}")
     if count < 1:
         raise WorkloadError(f"--requests must be >= 1, got {count}")
-    if max_len < min_len:
-        raise WorkloadError(f"the longest prompt ({max_len}) is shorter than {min_len} tokens")
+    if max_len < 1:
+        raise WorkloadError(f"--max-prompt-len must be >= 1, got {max_len}")
+    min_len = min(min_len, max_len)
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -61,37 +64,70 @@ def prompt_lengths(preset: str, count: int, seed: int, max_len: int, min_len: in
     return out
 
 
-def read_lengths(path: Path, max_len: int) -> list[int]:
-    """Prompt lengths from a JSONL file; over-long prompts are an error, not truncated."""
+Prompt = tuple[int, tuple[int, ...] | None]
+"""A workload entry: the prompt's length and, when the file gave them, its token ids."""
+
+
+def read_workload(path: Path, max_len: int, vocab: int) -> list[Prompt]:
+    """Prompts from a JSONL file (module docstring); raises :class:`WorkloadError` naming the
+    file, line and field of the first bad entry. Nothing is truncated: a prompt longer than
+    ``max_len`` (the model's maximum) is an error."""
     try:
-        lines = path.read_text().splitlines()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise WorkloadError(f"cannot read the workload file {path}: {exc}") from None
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            length = (
-                int(record["prompt_len"])
-                if "prompt_len" in record
-                else len(record["prompt_tokens"])
-            )
-        except (ValueError, KeyError, TypeError):
-            raise WorkloadError(
-                f"{path}:{number}: expected a JSON object with prompt_len (an integer) or "
-                f"prompt_tokens (a list)"
-            ) from None
-        if not 1 <= length <= max_len:
-            raise WorkloadError(
-                f"{path}:{number}: prompt of {length} tokens is outside [1, {max_len}] "
-                f"(raise --max-num-batched-tokens or shorten the prompt)"
-            )
-        out.append(length)
+        raise WorkloadError(
+            f"cannot read the workload file {path}: {exc.strerror or exc}"
+        ) from None
+    except UnicodeDecodeError as exc:
+        where = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise WorkloadError(
+            f"{path}:{where}: not UTF-8 text (byte {exc.start}); a workload is JSON lines"
+        ) from None
+    out: list[Prompt] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            out.append(_parse_line(f"{path}:{number}", line, max_len, vocab))
     if not out:
         raise WorkloadError(f"{path} holds no requests")
     return out
+
+
+def _parse_line(where: str, line: str, max_len: int, vocab: int) -> Prompt:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or ("prompt_len" in record) == ("prompt_tokens" in record):
+        raise WorkloadError(
+            f"{where}: expected an object with exactly one of prompt_len (a whole number) or "
+            f"prompt_tokens (a list of token ids)"
+        )
+    if "prompt_len" in record:
+        length = record["prompt_len"]
+        if not _whole(length) or not 1 <= length <= max_len:
+            raise WorkloadError(
+                f"{where}: prompt_len must be a whole number in [1, {max_len}] (the model's "
+                f"longest prompt), got {json.dumps(length)[:40]}"
+            )
+        return length, None
+    tokens = record["prompt_tokens"]
+    if not isinstance(tokens, list) or not 1 <= len(tokens) <= max_len:
+        got = f"{len(tokens)} tokens" if isinstance(tokens, list) else type(tokens).__name__
+        raise WorkloadError(
+            f"{where}: prompt_tokens must be a list of 1 to {max_len} token ids, got {got}"
+        )
+    bad = next((i for i, t in enumerate(tokens) if not (_whole(t) and 0 <= t < vocab)), None)
+    if bad is not None:
+        raise WorkloadError(
+            f"{where}: prompt_tokens[{bad}] must be a token id in [0, {vocab}), got "
+            f"{json.dumps(tokens[bad])[:40]}"
+        )
+    return len(tokens), tuple(tokens)
+
+
+def _whole(value: object) -> bool:
+    """A JSON integer (not a bool, not a float such as 3.0 or Infinity)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
@@ -109,9 +145,14 @@ def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
 
 
 def assign(
-    lengths: Sequence[int], arrivals: Sequence[float], replicas: int, policy: str
+    lengths: Sequence[int],
+    arrivals: Sequence[float],
+    replicas: int,
+    policy: str,
+    tokens: Sequence[tuple[int, ...] | None] | None = None,
 ) -> list[Request]:
-    """Requests with replicas chosen by ``round-robin`` or ``least-tokens`` (outstanding)."""
+    """Requests with replicas chosen by ``round-robin`` or ``least-tokens`` (outstanding);
+    ``tokens[i]`` are request ``i``'s token ids when the workload gave them."""
     if policy not in ASSIGNMENTS:
         raise WorkloadError(f"unknown assignment {policy!r}; choose one of {list(ASSIGNMENTS)}")
     load = [0] * replicas
@@ -123,26 +164,64 @@ def assign(
         else:
             replica = min(range(replicas), key=lambda r: (load[r], r))
         load[replica] += lengths[i]
-        out.append(Request(i, lengths[i], arrivals[i], replica))
+        given = tokens[i] if tokens is not None else None
+        out.append(Request(i, lengths[i], arrivals[i], replica, given))
     return sorted(out, key=lambda r: r.request_id)
 
 
-def batches(requests: Sequence[Request], max_tokens: int) -> list[list[Request]]:
-    """First come, first served batches of at most ``max_tokens`` prompt tokens each."""
-    out: list[list[Request]] = []
-    current: list[Request] = []
-    used = 0
-    for request in sorted(requests, key=lambda r: (r.arrival, r.request_id)):
-        if request.prompt_len > max_tokens:
-            raise WorkloadError(
-                f"request {request.request_id} has {request.prompt_len} prompt tokens, more "
-                f"than --max-num-batched-tokens {max_tokens}"
-            )
-        if current and used + request.prompt_len > max_tokens:
-            out.append(current)
-            current, used = [], 0
-        current.append(request)
-        used += request.prompt_len
-    if current:
-        out.append(current)
-    return out
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens ``begin .. end`` of request ``request_id``'s prompt; ``final`` ends it."""
+
+    request_id: int
+    begin: int
+    end: int
+    final: bool
+
+
+@dataclass
+class _Progress:
+    request: Request
+    done: int = 0
+    """Prompt tokens already scheduled."""
+
+
+class ChunkQueue:
+    """First come, first served prefill steps of at most ``budget`` tokens, with chunking.
+
+    Each step takes the arrived requests in arrival order; a prompt that does not fit in
+    what is left of the budget contributes a chunk and stays at the head of the queue, so
+    its next chunk goes first in the next step (the way vLLM's chunked prefill schedules
+    long prompts). No prompt is ever too long for the budget.
+    """
+
+    def __init__(self, requests: Sequence[Request], budget: int) -> None:
+        if budget < 1:
+            raise WorkloadError(f"--max-num-batched-tokens must be >= 1, got {budget}")
+        self.budget = budget
+        ordered = sorted(requests, key=lambda r: (r.arrival, r.request_id))
+        self._pending = [_Progress(request) for request in ordered]
+
+    @property
+    def empty(self) -> bool:
+        return not self._pending
+
+    @property
+    def next_arrival(self) -> float:
+        """When the head of the queue arrives (seconds after the start)."""
+        return self._pending[0].request.arrival if self._pending else math.inf
+
+    def next_step(self, now: float) -> list[Chunk]:
+        """The chunks of the next step among the requests arrived by ``now`` (may be empty)."""
+        chunks, used = [], 0
+        for entry in self._pending:
+            request = entry.request
+            if request.arrival > now or used == self.budget:
+                break
+            take = min(request.prompt_len - entry.done, self.budget - used)
+            end = entry.done + take
+            chunks.append(Chunk(request.request_id, entry.done, end, end == request.prompt_len))
+            entry.done = end
+            used += take
+        self._pending = [e for e in self._pending if e.done < e.request.prompt_len]
+        return chunks

@@ -174,13 +174,16 @@ class TcpStore:
     """A ``torch.distributed.TCPStore`` on 127.0.0.1, hosted by world rank 0.
 
     The port is ``port``, else ``AFD_STORE_PORT`` (or its old name
-    ``AFD_NVSHMEM_STORE_PORT``), else 29517 -- the same on every rank.
-    Timeouts become :class:`PeerTimeout` naming the key and the port.
+    ``AFD_NVSHMEM_STORE_PORT``), else 29517 -- the same on every rank. The host listens on
+    the loopback interface only (a socket bound to 127.0.0.1 handed to the store: by itself
+    a TCPStore listens on every interface). Timeouts become :class:`PeerTimeout` naming the
+    key and the port.
     """
 
     def __init__(
         self, world_rank: int, world_size: int, timeout: float = 60.0, port: int | None = None
     ) -> None:
+        import socket
         from datetime import timedelta
 
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported
@@ -190,18 +193,32 @@ class TcpStore:
             port = int(named) if named else DEFAULT_TCP_PORT
         self.port = port
         self.timeout = timeout
+        self._listener: socket.socket | None = None
+        hint = f"set {ENV_TCP_PORT} to a free port, the same on every rank"
+        if world_rank == 0:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind(("127.0.0.1", port))
+                listener.listen(max(128, world_size))
+            except OSError as exc:
+                listener.close()
+                raise PeerTimeout(
+                    f"cannot host the store on 127.0.0.1:{port} ({exc.strerror}); {hint}"
+                ) from None
+            self._listener = listener
         try:
             self._store = TCPStore(
                 "127.0.0.1",
-                self.port,
+                port,
                 world_size,
                 is_master=world_rank == 0,
                 timeout=timedelta(seconds=timeout),
+                master_listen_fd=None if self._listener is None else self._listener.fileno(),
             )
         except RuntimeError as exc:
             raise PeerTimeout(
-                f"cannot reach or host the store on 127.0.0.1:{self.port} ({exc}); set "
-                f"{ENV_TCP_PORT} to a free port, the same on every rank"
+                f"cannot reach the store on 127.0.0.1:{port} ({exc}); {hint}"
             ) from exc
 
     def set(self, key: str, value: bytes) -> None:

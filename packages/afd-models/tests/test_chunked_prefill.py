@@ -1,0 +1,144 @@
+"""Chunked prefill: a prompt longer than the batch budget prefilled over several calls, its
+earlier chunks' compressed MLA keys kept in a KVCache, gives the unchunked result."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from afd_models import (
+    AttentionRoleModel,
+    ConfigError,
+    FFNRoleExecutor,
+    KVCache,
+    MonolithicModel,
+    PromptChunk,
+    RandomWeights,
+)
+from afd_models import preset as make_preset
+from afd_protocol import EndpointOptions, Role, SlotLayout, Topology
+from afd_protocol.window import LoopbackWorld
+
+BUDGET = 16
+
+
+def prompt(length: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(
+        0, vocab, (length,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+def steps(prompts: dict[str, list[int]], budget: int) -> list[list[PromptChunk]]:
+    """First come, first served steps of at most ``budget`` tokens, cutting prompts into
+    chunks (what afd run's scheduler does)."""
+    queue = [(key, tokens, 0) for key, tokens in prompts.items()]
+    out = []
+    while queue:
+        step, used, rest = [], 0, []
+        for key, tokens, done in queue:
+            take = min(len(tokens) - done, budget - used)
+            if take > 0:
+                final = done + take == len(tokens)
+                step.append(PromptChunk(key, tokens[done : done + take], done, final))
+                used += take
+                done += take
+            if done < len(tokens):
+                rest.append((key, tokens, done))
+        out.append(step)
+        queue = rest
+    return out
+
+
+def last_states(outputs: list[tuple[list[PromptChunk], torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The final chunk's last hidden state of every request."""
+    found = {}
+    for chunks, hidden in outputs:
+        for chunk, state in zip(chunks, hidden, strict=True):
+            if chunk.final:
+                found[chunk.key] = state
+    return found
+
+
+@pytest.mark.parametrize("name", ["tiny", "v3-mini"])
+def test_monolithic_chunks_of_1x_2_5x_and_8x_the_budget_equal_the_whole_prompts(name: str) -> None:
+    config = make_preset(name)
+    model = MonolithicModel(config, RandomWeights(3))
+    prompts = {
+        "one": prompt(BUDGET, 1, config.vocab_size),
+        "short": prompt(3, 2, config.vocab_size),
+        "two-and-a-half": prompt(BUDGET * 5 // 2, 3, config.vocab_size),
+        "eight": prompt(BUDGET * 8, 4, config.vocab_size),
+        "tiny": prompt(1, 5, config.vocab_size),
+    }
+    cache = KVCache()
+    outputs = []
+    plan = steps(prompts, BUDGET)
+    assert any(not c.final for step in plan for c in step)  # something really is chunked
+    for step in plan:
+        out = model.forward(step, cache=cache, compute_logits=False)
+        outputs.append((step, out.last_hidden_states()))
+    assert len(cache) == 0  # every request finished: nothing kept
+    got = last_states(outputs)
+    for key, tokens in prompts.items():
+        whole = model.forward([tokens], compute_logits=False).last_hidden_states()[0]
+        torch.testing.assert_close(got[key], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_role_split_chunks_equal_the_monolithic_model() -> None:
+    config = make_preset("tiny")
+    topology = Topology(1, 2, config.n_routed_experts)
+    layout = SlotLayout(
+        topology, config.hidden_size, BUDGET, config.num_experts_per_tok, dtype="float32"
+    )
+    world = LoopbackWorld(layout.window(ring_depth=2))
+    options = EndpointOptions(timeout=20.0, num_layers=config.num_hidden_layers, num_stages=2)
+    failures: list[BaseException] = []
+
+    def serve(rank: int) -> None:
+        endpoint = world.transport(Role.FFN, rank).ffn_endpoint(options)
+        executor = FFNRoleExecutor(config, endpoint.local_experts, RandomWeights(3))
+        try:
+            executor.serve(endpoint)
+        except BaseException as exc:  # reported to the test thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(options)
+    model = AttentionRoleModel(config, RandomWeights(3))
+    prompts = {
+        "long": prompt(BUDGET * 8, 7, config.vocab_size),
+        "s": prompt(5, 8, config.vocab_size),
+    }
+    cache = KVCache()
+    outputs = []
+    try:
+        for step in steps(prompts, BUDGET):
+            out = model.forward(step, endpoint, num_stages=2, cache=cache, compute_logits=False)
+            outputs.append((step, out.last_hidden_states()))
+    finally:
+        endpoint.announce_shutdown()
+        for t in threads:
+            t.join(timeout=30)
+    assert not failures, failures
+    reference = MonolithicModel(config, RandomWeights(3))
+    got = last_states(outputs)
+    for key, tokens in prompts.items():
+        whole = reference.forward([tokens], compute_logits=False).last_hidden_states()[0]
+        torch.testing.assert_close(got[key], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_out_of_order_or_without_a_cache_are_refused() -> None:
+    config = make_preset("tiny")
+    model = MonolithicModel(config, RandomWeights(0))
+    with pytest.raises(ConfigError, match="pass a KVCache"):
+        model.forward([PromptChunk("a", [1, 2], 0, final=False)])
+    cache = KVCache()
+    model.forward([PromptChunk("a", [1, 2], 0, final=False)], cache=cache)
+    with pytest.raises(ConfigError, match="starting at position 5 but 2 of its tokens are cached"):
+        model.forward([PromptChunk("a", [3], 5)], cache=cache)
+    model.forward([PromptChunk("a", [3], 2)], cache=cache)  # the right start: accepted
+    assert len(cache) == 0

@@ -1,0 +1,69 @@
+"""Nothing afd creates is reachable by other users or other machines: shared-memory segments
+are 0600, rendezvous directories 0700, and the TCP store listens on loopback only."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import tempfile
+from pathlib import Path
+
+from afd_protocol import DirectoryStore, Role, SlotLayout, TcpStore, Topology
+from afd_protocol.launch import RankSpec, launch
+from afd_protocol.shm.segments import SharedSegment
+
+
+def test_a_shared_memory_segment_is_private_to_this_user() -> None:
+    segment = SharedSegment.create(4096, tag="perm")
+    try:
+        info = segment.path.stat()
+        assert stat.S_IMODE(info.st_mode) == 0o600
+        assert info.st_uid == os.getuid()
+    finally:
+        segment.close()
+    assert not segment.path.exists()
+
+
+def test_rendezvous_directories_are_private(tmp_path: Path) -> None:
+    DirectoryStore(tmp_path / "rdv")
+    assert stat.S_IMODE((tmp_path / "rdv").stat().st_mode) == 0o700
+
+
+def report_rendezvous_mode(connection) -> int:  # type: ignore[no-untyped-def]
+    """Rank program: the mode of the directory the launcher made (it is this rank's TMPDIR
+    child named afd-rendezvous-*)."""
+    (folder,) = Path(tempfile.gettempdir()).glob("afd-rendezvous-*")
+    return stat.S_IMODE(folder.stat().st_mode)
+
+
+def test_the_launchers_rendezvous_directory_is_private(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR in this process too
+    window = SlotLayout(Topology(1, 1, 4), 8, 8, 2).window()
+    specs = [RankSpec(role, 0, report_rendezvous_mode) for role in Role]
+    results = launch(window, specs, timeout=120)
+    assert {r.value for r in results.values()} == {0o700}
+    assert list(tmp_path.iterdir()) == []  # removed afterwards
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (hex, as /proc/net/tcp* writes them)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+def test_the_tcp_store_listens_on_loopback_only() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = TcpStore(0, 1, timeout=5.0, port=port)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    assert _listening(port) == ["0100007F"]  # 127.0.0.1, and no IPv4/IPv6 wildcard

@@ -1,0 +1,163 @@
+"""``afd soak``: a long ``afd run`` whose rank processes are watched for leaks.
+
+Runs ``afd run`` (every mode, Poisson arrivals, an uneven mix with prompts longer than the
+batch budget, so they are prefilled in chunks) as a child process in a session of its own,
+and samples every rank process's resident memory and open file descriptors from ``/proc``
+while it runs. It passes when the run verified every output and no rank's file
+descriptors or memory grew over the run: the median of the last quarter of the samples
+against the median of the second quarter (the first is start-up), within a tolerance for
+allocator noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+RSS_SLACK_BYTES = 32 << 20
+"""Growth tolerated in any case (allocator arenas settling, a new mode's first buffers)."""
+RSS_SLACK_FRACTION = 0.10
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "soak",
+        help="a long afd run on CPU, every rank's memory and file descriptors watched",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--requests", type=int, default=1000, help="requests (every mode serves all of them)"
+    )
+    p.add_argument("--rate", type=float, default=25.0, help="Poisson arrivals, requests/s")
+    p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=64,
+        help="step budget (smaller than the longest prompt, so long prompts are chunked)",
+    )
+    p.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
+    p.add_argument("--json", type=Path, default=None, help="write every sample here")
+    p.set_defaults(handler=run)
+
+
+@dataclass
+class RankSamples:
+    name: str
+    rss: list[int] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+
+    def verdict(self) -> tuple[bool, str]:
+        """Whether this rank did not grow, and the numbers that say so."""
+        n = len(self.rss)
+        if n < 8:
+            return False, f"only {n} samples: run longer or sample more often"
+        early = slice(n // 4, n // 2)
+        late = slice(3 * n // 4, n)
+        rss_early = statistics.median(self.rss[early])
+        rss_late = statistics.median(self.rss[late])
+        allowed = max(RSS_SLACK_BYTES, RSS_SLACK_FRACTION * rss_early)
+        # The fewest open at any sample: a rank opens files for a moment (its liveness checks
+        # read /proc), but a leak raises the floor.
+        fds_early, fds_late = min(self.fds[early]), min(self.fds[late])
+        ok = rss_late - rss_early <= allowed and fds_late <= fds_early
+        text = (
+            f"RSS {rss_early / 2**20:7.1f} -> {rss_late / 2**20:7.1f} MiB "
+            f"(allowed +{allowed / 2**20:.0f}), open fds {fds_early} -> {fds_late}"
+        )
+        return ok, text
+
+
+def _session_ranks(sid: int) -> dict[int, str]:
+    """afd rank processes of session ``sid``: pid -> name (afd-attn0, afd-ffn1, ...)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if comm.startswith("afd-") and int(fields[3]) == sid and fields[0] != "Z":
+            found[int(entry.name)] = comm
+    return found
+
+
+def _sample(pid: int) -> tuple[int, int] | None:
+    try:
+        resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+    return resident, fds
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="afd-soak-") as folder:
+        report = Path(folder) / "run.json"
+        argv = [
+            sys.executable,
+            "-m",
+            "afd_tools.cli",
+            "run",
+            "--requests",
+            str(args.requests),
+            "--rate",
+            str(args.rate),
+            "--workload",
+            "uneven",
+            "--max-prompt-len",
+            str(args.max_prompt_len),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--no-progress",
+            "--json",
+            str(report),
+        ]
+        print(f"afd soak: {' '.join(argv[3:])}", flush=True)
+        started = time.monotonic()
+        child = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, text=True)
+        ranks: dict[int, RankSamples] = {}
+        while child.poll() is None:
+            for pid, name in _session_ranks(child.pid).items():
+                sample = _sample(pid)
+                if sample is not None:
+                    entry = ranks.setdefault(pid, RankSamples(name))
+                    entry.rss.append(sample[0])
+                    entry.fds.append(sample[1])
+            time.sleep(args.interval)
+        output = child.stdout.read() if child.stdout is not None else ""
+        elapsed = time.monotonic() - started
+        verified = child.returncode == 0 and report.exists()
+        failures = json.loads(report.read_text())["verification_failures"] if verified else None
+    print(output.rstrip())
+    print(f"\nsampled every {args.interval:g} s over {elapsed:.0f} s:")
+    passed = verified and not failures
+    summary = {}
+    for entry in sorted(ranks.values(), key=lambda r: r.name):
+        ok, text = entry.verdict()
+        passed = passed and ok
+        summary[entry.name] = {"ok": ok, "rss": entry.rss, "fds": entry.fds}
+        print(f"  {entry.name:10s} {len(entry.rss):5d} samples  {text}  {'ok' if ok else 'GREW'}")
+    if not ranks:
+        passed = False
+        print("  no rank process was seen")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"elapsed_s": elapsed, "ranks": summary}, indent=1))
+    verdict = "PASS" if passed else "FAIL"
+    why = "" if verified else f" (afd run exited with {child.returncode})"
+    print(f"{verdict}: outputs verified, no rank grew{why}" if passed else f"{verdict}{why}")
+    return 0 if passed else 1
