@@ -13,7 +13,7 @@ PKG_DIRS := $(addprefix packages/,$(PACKAGES)) tools
 EDITABLES := $(foreach d,$(PKG_DIRS),-e $(d)[test])
 STAMP := $(VENV)/.afd-installed
 
-.PHONY: demo test lint typecheck layers pytest standalone venv clean
+.PHONY: demo test lint typecheck layers pytest standalone venv clean soak mutation
 
 venv: $(STAMP)
 
@@ -53,6 +53,17 @@ pytest: $(TEST_STAMP)
 
 standalone: $(STAMP)
 	$(PY) tools/dev/standalone_check.py $(PKG_DIRS)
+
+# 1,000 uneven requests through `afd run` in every mode (Poisson arrivals, chunked long
+# prompts), every rank's memory and file descriptors sampled; `make test` runs a short one.
+soak: $(STAMP)
+	@mkdir -p build
+	$(VENV)/bin/afd soak --json build/soak.json
+
+# Mutation testing of the protocol core and the window endpoints (tens of minutes; not part
+# of `make test`): prints the kill rate and every surviving mutant.
+mutation:
+	bash tools/dev/mutation.sh
 
 clean:
 	rm -rf $(VENV) build

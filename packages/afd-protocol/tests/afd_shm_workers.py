@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,3 +133,10 @@ def attention_forever(transport: WindowTransport, *, timeout: float) -> None:
             ]
         )
         ep.combine(ep.dispatch(0, x, ids, torch.rand(16, slot.topk, generator=gen)))
+
+
+def report_rendezvous_mode(connection: Any) -> int:
+    """Rank program: the mode of the directory the launcher made (it is this rank's TMPDIR
+    child named afd-rendezvous-*)."""
+    (folder,) = Path(tempfile.gettempdir()).glob("afd-rendezvous-*")
+    return stat.S_IMODE(folder.stat().st_mode)

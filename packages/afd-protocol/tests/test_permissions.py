@@ -9,6 +9,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+import afd_shm_workers as workers
+
 from afd_protocol import DirectoryStore, Role, SlotLayout, TcpStore, Topology
 from afd_protocol.launch import RankSpec, launch
 from afd_protocol.shm.segments import SharedSegment
@@ -30,18 +32,11 @@ def test_rendezvous_directories_are_private(tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "rdv").stat().st_mode) == 0o700
 
 
-def report_rendezvous_mode(connection) -> int:  # type: ignore[no-untyped-def]
-    """Rank program: the mode of the directory the launcher made (it is this rank's TMPDIR
-    child named afd-rendezvous-*)."""
-    (folder,) = Path(tempfile.gettempdir()).glob("afd-rendezvous-*")
-    return stat.S_IMODE(folder.stat().st_mode)
-
-
 def test_the_launchers_rendezvous_directory_is_private(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR in this process too
     window = SlotLayout(Topology(1, 1, 4), 8, 8, 2).window()
-    specs = [RankSpec(role, 0, report_rendezvous_mode) for role in Role]
+    specs = [RankSpec(role, 0, workers.report_rendezvous_mode) for role in Role]
     results = launch(window, specs, timeout=120)
     assert {r.value for r in results.values()} == {0o700}
     assert list(tmp_path.iterdir()) == []  # removed afterwards

@@ -59,6 +59,8 @@ MAGIC = 0x41464447  # b"AFDG"
 PROTOCOL_VERSION = 2
 """Version 2: the CRC-32 checksum and the invariant checks (version 1: a weighted sum)."""
 MAX_COUNT_WORDS = 1 << 16
+INT32_MIN = -(1 << 31)
+INT32_MAX = (1 << 31) - 1
 SEQ_LIMIT = 1 << 31
 """Sequence numbers are in ``[1, SEQ_LIMIT)`` (positive int32); they wrap to 1."""
 
@@ -208,10 +210,11 @@ def encode_words(header: Header) -> list[int]:
         Word.CHECKSUM: 0,
     }
     words = [fixed[w] for w in Word] + list(header.expert_counts)
-    if min(words) < -(1 << 31) or max(words) >= (1 << 31):
-        for i, w in enumerate(words):
-            if not -(1 << 31) <= w < (1 << 31):
-                raise ProtocolError(f"header word {_word_name(i)}={w} does not fit in int32")
+    outside = _first_outside_int32(words)
+    if outside is not None:
+        raise ProtocolError(
+            f"header word {_word_name(outside[0])}={outside[1]} does not fit in int32"
+        )
     words[Word.CHECKSUM] = _to_int32(checksum(words))
     return words
 
@@ -219,6 +222,16 @@ def encode_words(header: Header) -> list[int]:
 def encode_header(header: Header) -> torch.Tensor:
     """Header -> a CPU int32 tensor ready to copy into a slot's header field."""
     return torch.tensor(encode_words(header), dtype=torch.int32)
+
+
+def _first_outside_int32(values: Sequence[int]) -> tuple[int, int] | None:
+    """``(index, value)`` of the first value outside int32, None if all fit.
+
+    ``min``/``max`` first: on the hot path every value fits, and they run in C.
+    """
+    if not values or (min(values) >= INT32_MIN and max(values) <= INT32_MAX):
+        return None
+    return next((i, v) for i, v in enumerate(values) if not INT32_MIN <= v <= INT32_MAX)
 
 
 def _word_name(i: int) -> str:
@@ -245,9 +258,9 @@ def decode_header(
         values: list[int] = words.tolist()
     else:
         values = [int(v) for v in words]
-        if values and (min(values) < -(1 << 31) or max(values) >= (1 << 31)):
-            i, v = next((i, v) for i, v in enumerate(values) if not -(1 << 31) <= v < (1 << 31))
-            raise _bad(_word_name(i), v, "a value that fits in int32")
+        outside = _first_outside_int32(values)
+        if outside is not None:
+            raise _bad(_word_name(outside[0]), outside[1], "a value that fits in int32")
     if len(values) < HEADER_FIXED_WORDS:
         raise ProtocolError(
             f"truncated slot header: {len(values)} words, the fixed part alone has "
@@ -325,7 +338,8 @@ def decode_header(
         )
     if shared_rows > num_tokens:
         raise _bad("SHARED_ROWS", shared_rows, f"at most NUM_TOKENS={num_tokens}")
-    if flags & FLAG_SHUTDOWN and (num_tokens or routed_rows or shared_rows):
+    # Rows are bounded by tokens above, so an empty shutdown is one with no tokens.
+    if flags & FLAG_SHUTDOWN and num_tokens:
         raise _bad("NUM_TOKENS", num_tokens, "0 on a shutdown message, with no rows")
     stored = word(Word.CHECKSUM) & 0xFFFFFFFF
     computed = checksum(values)

@@ -124,7 +124,6 @@ class DispatchPlan(WireOrder):
 
     def check_capacity(self, layout: SlotLayout) -> None:
         """Raise :class:`~afd_protocol.errors.CapacityError` if any destination overflows."""
-        layout.check_capacity(self.num_tokens)
         for d in range(self.num_ffn_ranks):
             layout.check_capacity(self.num_tokens, self.routed_rows(d), self.shared_rows(d), dest=d)
 
@@ -201,10 +200,10 @@ def plan_dispatch(
     if flat.numel():
         low_t, high_t = torch.aminmax(flat)
         host = torch.cat([low_t.view(1), high_t.view(1), counts]).tolist()
+        host_counts = tuple(host[2:])
+        check_expert_bounds(host[0], host[1], num_experts)
     else:
-        host = [0, 0, *counts.tolist()]
-    low, high, host_counts = host[0], host[1], tuple(host[2:])
-    check_expert_bounds(low, high, num_experts)
+        host_counts = (0,) * num_experts
     if host_counts and max(host_counts) > num_tokens:
         raise InvalidArgument(
             f"topk_ids route {max(host_counts)} rows of {num_tokens} tokens to one expert: some "
@@ -223,7 +222,7 @@ def plan_dispatch(
         topk=topk,
         shared_placement=placement_kind,
         order=order,
-        row_token=torch.div(order, topk, rounding_mode="floor") if topk else order,
+        row_token=torch.div(order, topk, rounding_mode="floor"),
         expert_counts=counts,
         host_expert_counts=host_counts,
         rank_wire_offsets=rank_offsets,
@@ -380,5 +379,5 @@ def expert_ids_from_counts(counts: torch.Tensor, num_rows: int | None = None) ->
 
     Passing ``num_rows`` avoids a device-to-host synchronisation on accelerators.
     """
-    ids = torch.arange(counts.numel(), device=counts.device)
-    return torch.repeat_interleave(ids, counts.long(), output_size=num_rows)
+    # With only the repeats, repeat_interleave repeats their indices: 0 counts[0] times, ...
+    return torch.repeat_interleave(counts.long(), output_size=num_rows)

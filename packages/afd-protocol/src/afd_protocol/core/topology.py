@@ -72,17 +72,15 @@ class ExpertPlacement:
                         f"each expert must have exactly one owner"
                     )
                 seen[e] = rank
-        owner = [0] * num_experts
-        local = [0] * num_experts
-        wire = [0] * num_experts
-        position = 0
-        for rank, experts in enumerate(table):
-            for lid, e in enumerate(experts):
-                owner[e], local[e], wire[e] = rank, lid, position
-                position += 1
-        object.__setattr__(self, "owner", tuple(owner))
-        object.__setattr__(self, "local_id", tuple(local))
-        object.__setattr__(self, "wire_position", tuple(wire))
+        placed = [
+            (e, rank, lid) for rank, experts in enumerate(table) for lid, e in enumerate(experts)
+        ]
+        # The wire order is the table's order: rank by rank, then local id by local id.
+        where = {e: (rank, lid, position) for position, (e, rank, lid) in enumerate(placed)}
+        by_expert = [where[e] for e in range(num_experts)]
+        object.__setattr__(self, "owner", tuple(rank for rank, _, _ in by_expert))
+        object.__setattr__(self, "local_id", tuple(lid for _, lid, _ in by_expert))
+        object.__setattr__(self, "wire_position", tuple(pos for _, _, pos in by_expert))
 
     @classmethod
     def contiguous(cls, num_experts: int, num_ffn_ranks: int) -> ExpertPlacement:

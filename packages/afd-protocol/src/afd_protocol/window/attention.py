@@ -73,8 +73,6 @@ class WindowDispatch:
     plan: WireOrder
     topk_weights: torch.Tensor
     dtype: torch.dtype
-    issued_at: float
-    """``time.monotonic()`` when the writes were issued (for timeouts and reports)."""
     expected: dict[int, ExpectedReply] = field(default_factory=dict)
     arrived: dict[int, Header] = field(default_factory=dict)
     """Replies already received and checked (a retried combine waits only for the rest)."""
@@ -170,7 +168,6 @@ class WindowAttentionEndpoint(WindowEndpoint):
             plan=plan,
             topk_weights=topk_weights,
             dtype=hidden_states.dtype,
-            issued_at=time.monotonic(),
         )
         try:
             self._send(handle, hidden_states)
