@@ -103,7 +103,19 @@ def test_bench_transport_shm_prints_its_tables_and_writes_json(tmp_path) -> None
     assert set(report["bandwidth"]) == {str(4 << 10), str(64 << 10)}
     for point in report["bandwidth"].values():
         assert all(seconds > 0 for seconds in point.values())
-    assert report["layer"]["256"]["rank0"] > 0
+    layer = report["layer"]
+    assert set(layer) == {"per_choice", "per_rank", "per_rank_ffn"}
+    assert all(layer[f]["256"]["rank0"] > 0 for f in layer)
+    # Bytes one rank moves per layer: 256 tokens x top-6 rows of 2048 bf16 each way, per
+    # choice; per rank, a token row (+ 6 ids and weights) at most once per FFN rank (2).
+    row = 2048 * 2
+    assert layer["per_choice"]["256"]["bytes"] == 2 * 256 * 6 * row
+    assert layer["per_rank_ffn"]["256"]["bytes"] <= 2 * 2 * 256 * row + 2 * 256 * 48
+    assert (
+        layer["per_rank_ffn"]["256"]["bytes"]
+        < layer["per_rank"]["256"]["bytes"]
+        < layer["per_choice"]["256"]["bytes"]
+    )
 
 
 def test_bench_rejects_arguments_it_cannot_measure(capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,6 +42,8 @@ def window_for(
     shared: str = "attention",
     ring_depth: int = 3,
     tokens: int = 64,
+    wire: str = "per_choice",
+    reduce: str = "attention",
 ) -> WindowLayout:
     config = make_preset(preset_name)
     topology = Topology(attention, ffn, config.n_routed_experts, attn_ranks_per_dp=per_dp)
@@ -53,6 +55,8 @@ def window_for(
         dtype=dtype,
         routed_cap_multiplier=float(ffn),
         shared_placement=shared,
+        wire_format=wire,
+        combine_reduce=reduce,
     )
     return layout.window(ring_depth=ring_depth)
 
@@ -88,9 +92,14 @@ def serve_in_threads(
     return threads, results
 
 
-def test_replica_of_two_participants_and_grouped_mm_ffn() -> None:
-    """Two attention ranks form one DP replica: each work item has two parts."""
-    window = window_for("v3-mini", 2, 3, per_dp=2, shared="ffn")
+@pytest.mark.parametrize(
+    ("wire", "reduce"),
+    [("per_choice", "attention"), ("per_rank", "ffn"), ("per_rank", "attention")],
+)
+def test_replica_of_two_participants_and_grouped_mm_ffn(wire: str, reduce: str) -> None:
+    """Two attention ranks form one DP replica: each work item has two parts; in every wire
+    format the FFN executor gets its rows grouped by expert and replies what it wants."""
+    window = window_for("v3-mini", 2, 3, per_dp=2, shared="ffn", wire=wire, reduce=reduce)
     world = LoopbackWorld(window)
     threads, served = serve_in_threads(world, "v3-mini", torch.float32, "ffn", "grouped_mm")
     config = make_preset("v3-mini")

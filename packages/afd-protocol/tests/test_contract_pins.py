@@ -75,6 +75,8 @@ def test_the_geometry_description_and_digest_are_pinned() -> None:
         "payload_dtype": None,
         "routed_cap_multiplier": 2.0,
         "shared_placement": "attention",
+        "wire_format": "per_choice",
+        "combine_reduce": "attention",
         "routed_cap": 22,
         "shared_cap": 0,
         "slot_bytes": 1280,
@@ -84,10 +86,12 @@ def test_the_geometry_description_and_digest_are_pinned() -> None:
     }
     # sha256 of the JSON with sorted keys and no spaces, 16 hex digits: both roles must
     # compute the same string from the same description.
-    assert window.digest() == "4d70bccbf7b6ef04"
+    assert window.digest() == "65e0a5c8a5ef1b4c"
     assert [(f.name, f.offset, f.nbytes, f.dtype, f.shape) for f in layout.fields] == [
         ("header", 0, 68, "int32", (17,)),
         ("route_index", 256, 88, "int32", (22,)),
+        ("route_ids", 512, 0, "int32", (0, 2)),
+        ("route_weights", 512, 0, "float32", (0, 2)),
         ("routed_rows", 512, 704, "uint8", (22, 32)),
         ("routed_scales", 1280, 0, "float32", (0,)),
         ("shared_rows", 1280, 0, "uint8", (0, 32)),
@@ -141,6 +145,7 @@ def test_header_limits_and_capacity_messages_are_exact() -> None:
         num_layers=4,
         num_stages=2,
         topk=2,
+        rows_per_token=False,
     )
     assert layout.header_limits(MessageKind.REPLY, 0).num_src_ranks == 3
     assert layout.header_limits(MessageKind.REPLY, 0).num_counts == 3
@@ -369,7 +374,7 @@ def reseal(words: list[int]) -> list[int]:
             f"afd-protocol version",
         ),
         (Word.KIND, 0, "KIND=0, expected 1 (dispatch) or 2 (reply)"),
-        (Word.FLAGS, 4, "FLAGS=4, expected only bits 0b11 (shutdown, abort)"),
+        (Word.FLAGS, 8, "FLAGS=8, expected only bits 0b111 (shutdown, abort, rows per token)"),
         (Word.SEQ, 0, "SEQ=0, expected [1, 2147483648)"),
         (Word.ANSWER_SEQ, 9, "ANSWER_SEQ=9, expected 0 on a dispatch"),
         (Word.ROUTED_ROWS, 11, "ROUTED_ROWS=11, expected the sum of EXPERT_COUNTS (12)"),

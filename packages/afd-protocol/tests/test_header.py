@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from afd_protocol import (
     FLAG_ABORT,
+    FLAG_ROWS_PER_TOKEN,
     FLAG_SHUTDOWN,
     HEADER_FIXED_WORDS,
     PROTOCOL_VERSION,
@@ -38,8 +39,21 @@ def headers(draw: st.DrawFn) -> Header:
     kind = draw(st.sampled_from(list(MessageKind)))
     flags = draw(st.sampled_from([0, FLAG_SHUTDOWN, FLAG_ABORT, FLAG_SHUTDOWN | FLAG_ABORT]))
     num_counts = draw(st.integers(0, 40))
+    per_token = draw(st.booleans()) and not flags & FLAG_SHUTDOWN
     if flags & FLAG_SHUTDOWN:  # a shutdown message is empty
-        tokens, counts, shared = 0, (0,) * num_counts, 0
+        tokens, counts, shared, rows = 0, (0,) * num_counts, 0, 0
+    elif per_token:
+        # One row per token, each with 1..TOPK distinct local experts (per_rank format).
+        tokens = draw(st.integers(0, 5000))
+        rows = draw(st.integers(0, min(tokens, 40))) if num_counts else 0
+        counts_list = [0] * num_counts
+        for _ in range(rows):
+            experts = st.integers(0, num_counts - 1)
+            for e in draw(st.sets(experts, min_size=1, max_size=min(TOPK, num_counts))):
+                counts_list[e] += 1
+        counts = tuple(counts_list)
+        shared = draw(st.integers(0, tokens))
+        flags |= FLAG_ROWS_PER_TOKEN
     else:
         tokens = draw(st.integers(0, 5000))
         # Each token is routed to at most TOPK experts: spread TOPK * tokens over the counts.
@@ -51,13 +65,14 @@ def headers(draw: st.DrawFn) -> Header:
             budget -= count
         counts = tuple(counts_list)
         shared = draw(st.integers(0, tokens))
+        rows = sum(counts)
     return Header(
         kind=kind,
         src_rank=draw(st.integers(0, 63)),
         layer=draw(st.integers(0, 200)),
         stage=draw(st.integers(0, 7)),
         num_tokens=tokens,
-        routed_rows=sum(counts),
+        routed_rows=rows,
         shared_rows=shared,
         seq=draw(st.integers(1, 2**31 - 1)),
         answer_seq=draw(st.integers(1, 2**31 - 1)) if kind is MessageKind.REPLY else 0,
@@ -76,6 +91,7 @@ def limits_for(h: Header) -> HeaderLimits:
         num_layers=201,
         num_stages=8,
         topk=TOPK,
+        rows_per_token=h.rows_per_token,
     )
 
 

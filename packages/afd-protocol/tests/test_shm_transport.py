@@ -27,9 +27,20 @@ def layout(
     per_dp: int = 1,
     ring_depth: int = 1,
     tokens: int = 48,
+    wire: str = "per_choice",
+    reduce: str = "attention",
 ):
     topo = Topology(a, f, experts, attn_ranks_per_dp=per_dp)
-    slot = SlotLayout(topo, 16, tokens, topk, dtype=dtype, shared_placement=shared)
+    slot = SlotLayout(
+        topo,
+        16,
+        tokens,
+        topk,
+        dtype=dtype,
+        shared_placement=shared,
+        wire_format=wire,
+        combine_reduce=reduce,
+    )
     return slot.window(ring_depth=ring_depth)
 
 
@@ -41,10 +52,18 @@ def ffn_specs(f: int, **kwargs):
 
 
 @pytest.mark.parametrize(
-    ("shared", "dtype", "tolerance"), [("ffn", "float32", 1e-5), ("attention", "bfloat16", 2e-2)]
+    ("shared", "dtype", "tolerance", "wire", "reduce"),
+    [
+        ("ffn", "float32", 1e-5, "per_choice", "attention"),
+        ("attention", "bfloat16", 2e-2, "per_choice", "attention"),
+        ("ffn", "float32", 1e-5, "per_rank", "ffn"),
+        ("attention", "bfloat16", 2e-2, "per_rank", "attention"),
+    ],
 )
-def test_two_by_two_uneven_replicas_on_different_layers(shared, dtype, tolerance) -> None:
-    window = layout(2, 2, shared=shared, dtype=dtype, ring_depth=2)
+def test_two_by_two_uneven_replicas_on_different_layers(
+    shared, dtype, tolerance, wire, reduce
+) -> None:
+    window = layout(2, 2, shared=shared, dtype=dtype, ring_depth=2, wire=wire, reduce=reduce)
     ffn0 = list(window.slot.topology.local_experts(0))
     # Rank 0: long batches, layers in order. Rank 1: short batches, layers backwards, two
     # stages in flight, and one layer whose tokens all go to FFN rank 0.

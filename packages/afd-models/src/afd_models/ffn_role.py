@@ -1,10 +1,12 @@
 """The FFN role: one rank's routed experts for every MoE layer, serving work items.
 
-A work item (one attention replica x one layer x one stage) arrives already grouped by
-local expert with a group list per part; the executor never routes. Each part's rows go
-through the expert backend (expert id per row expanded from the group list, unit
-weight) and the outputs are replied in the same order; the attention side applies the
-top-k weights when it combines. With ``shared_placement="ffn"`` (seed 000) this rank
+A work item (one attention replica x one layer x one stage) arrives with a group list
+per part; the executor never routes. Each part's rows, grouped by local expert
+(``part.grouped()``: as they came in the ``per_choice`` wire format, expanded from one
+row per token in ``per_rank``), go through the expert backend (expert id per row from the
+group list, unit weight); ``part.finish`` turns the outputs into the reply: unchanged, for
+the attention side to weight when it combines, or with ``combine_reduce="ffn"`` weighted
+and summed per token here. With ``shared_placement="ffn"`` (seed 000) this rank
 also holds the shared experts and computes the shared branch of the tokens assigned to
 it, scaled by the same float16 rule as everywhere else (:mod:`afd_models.scaling`).
 """
@@ -78,13 +80,16 @@ class FFNRoleExecutor:
         routed: list[torch.Tensor] = []
         shared: list[torch.Tensor] = []
         for part in item.parts:
-            rows = part.routed_rows
-            if rows.dtype != self.dtype:
+            if part.routed_rows.dtype != self.dtype:
                 raise ConfigError(
-                    f"the window carries {rows.dtype} but this executor runs in {self.dtype}"
+                    f"the window carries {part.routed_rows.dtype} but this executor runs in "
+                    f"{self.dtype}"
                 )
-            work = GroupedRows(rows.to(self.device), part.group_list)
-            routed.append(self.backend(work, experts))
+            # Rows by local expert whatever the wire format (per_rank token rows are
+            # expanded here), and the reply it wants (reduced with the weights, or not).
+            rows, group_list = part.grouped()
+            work = GroupedRows(rows.to(self.device), group_list)
+            routed.append(part.finish(self.backend(work, experts)))
             if part.shared_rows.shape[0]:
                 shared.append(self._shared(item.layer, part.shared_rows.to(self.device)))
         routed_out = torch.cat(routed) if routed else self._empty()

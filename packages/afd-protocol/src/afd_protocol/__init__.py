@@ -45,6 +45,7 @@ from afd_protocol.core.errors import (
 )
 from afd_protocol.core.header import (
     FLAG_ABORT,
+    FLAG_ROWS_PER_TOKEN,
     FLAG_SHUTDOWN,
     HEADER_FIXED_WORDS,
     MAGIC,
@@ -63,16 +64,19 @@ from afd_protocol.core.header import (
 )
 from afd_protocol.core.layout import (
     ALIGN,
+    CombineReduce,
     FieldSpec,
     SharedPlacement,
     SlotLayout,
     WindowLayout,
+    WireFormat,
     check_same_geometry,
 )
 from afd_protocol.core.plan import (
     DevicePlan,
     DispatchPlan,
     combine,
+    combine_reduced,
     combine_scatter,
     expert_ids_from_counts,
     new_accumulator,
@@ -99,6 +103,7 @@ except PackageNotFoundError:  # a source tree that was not installed
 __all__ = [
     "ALIGN",
     "FLAG_ABORT",
+    "FLAG_ROWS_PER_TOKEN",
     "FLAG_SHUTDOWN",
     "HEADER_FIXED_WORDS",
     "MAGIC",
@@ -107,6 +112,7 @@ __all__ = [
     "AFDError",
     "AttentionEndpoint",
     "CapacityError",
+    "CombineReduce",
     "Compute",
     "Connection",
     "ConnectorShutdown",
@@ -138,6 +144,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "WindowLayout",
+    "WireFormat",
     "Word",
     "WorkItem",
     "WorkItemKey",
@@ -146,6 +153,7 @@ __all__ = [
     "check_same_geometry",
     "checksum",
     "combine",
+    "combine_reduced",
     "combine_scatter",
     "constant_index",
     "crc_columns",

@@ -41,13 +41,19 @@ class LinearExperts:
     def outputs(
         self, item: WorkItem, local_experts: Sequence[int], dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An FFN rank's reply to ``item``: routed rows by group list, shared rows."""
+        """An FFN rank's reply to ``item``: routed rows by group list, shared rows.
+
+        Computed in fp32 the way any FFN does it (``grouped``, experts, ``finish``), so it
+        serves every wire format.
+        """
         table = torch.tensor(list(local_experts), dtype=torch.long, device=self.routed.device)
         routed, shared = [], []
         for part in item.parts:
-            ids = table[expert_ids_from_counts(part.group_list, part.routed_rows.shape[0])]
-            rows = part.routed_rows.float()
-            routed.append(torch.bmm(rows.unsqueeze(1), self.routed[item.layer][ids]).squeeze(1))
+            grouped, group_list = part.grouped()
+            ids = table[expert_ids_from_counts(group_list, grouped.shape[0])]
+            rows = grouped.float()
+            out = torch.bmm(rows.unsqueeze(1), self.routed[item.layer][ids]).squeeze(1)
+            routed.append(part.finish(out))
             shared.append(part.shared_rows.float() @ self.shared[item.layer])
         return torch.cat(routed).to(dtype), torch.cat(shared).to(dtype)
 

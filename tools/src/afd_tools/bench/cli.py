@@ -37,6 +37,13 @@ def add_parser(sub: Any) -> None:
     transport.add_argument(
         "--max-bytes", type=int, default=64 << 20, help="largest payload of the bandwidth sweep"
     )
+    transport.add_argument(
+        "--wire-format",
+        choices=["all", "per_choice", "per_rank", "per_rank_ffn"],
+        default="all",
+        help="shm only: the wire formats of the per-layer run (per_rank_ffn: per_rank "
+        "reduced on the FFN side); all runs each, side by side",
+    )
     transport.add_argument("--json", type=Path, default=None, help="also write results here")
     transport.add_argument(
         "--profile",

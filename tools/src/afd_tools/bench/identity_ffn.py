@@ -45,7 +45,10 @@ def _serve(connection: Connection, timing: bool) -> dict[str, Any]:
     started: list[Any] = []
 
     def identity(item: WorkItem) -> tuple[torch.Tensor, None]:
-        rows = [p.routed_rows for p in item.parts]
+        # The rows as the experts would get them, and the reply the wire format wants: no
+        # copy for per_choice; per_rank rows are expanded (and reduced with the weights
+        # when the FFN side reduces), which is protocol work and is timed.
+        rows = [p.finish(p.grouped()[0]) for p in item.parts]
         if timed:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()

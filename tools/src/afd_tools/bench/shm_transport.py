@@ -7,8 +7,9 @@ Three measurements, each beside its floor from the same run:
 * payload bandwidth -- one-sided writes into a peer's window (4 KB .. 64 MB) against a
   plain ``copy_`` of the same bytes into this process's own shared-memory window;
 * dispatch + combine per layer -- 2 attention x 2 FFN processes, hidden 2048 bf16,
-  64 experts top-6, identity FFN (so only the transport and the plan are timed), against
-  a plain copy of the same bytes (dispatch rows + reply rows) in one process.
+  64 experts top-6, identity FFN (so only the transport, the plan and the wire format's
+  own work are timed), in each wire format (``--wire-format``), against a plain copy of
+  the same bytes (dispatch rows with their routing columns + reply rows) in one process.
 """
 
 from __future__ import annotations
@@ -19,7 +20,18 @@ from typing import Any
 
 import torch
 
-from afd_protocol import Connection, EndpointOptions, Role, SlotLayout, Topology
+from afd_protocol import (
+    CombineReduce,
+    Connection,
+    DispatchPlan,
+    EndpointOptions,
+    MessageKind,
+    Role,
+    SlotLayout,
+    Topology,
+    WireFormat,
+    plan_dispatch,
+)
 from afd_protocol.launch import RankSpec, launch
 from afd_protocol.window import WindowTransport
 from afd_tools.bench.identity_ffn import serve_identity
@@ -29,6 +41,25 @@ from afd_tools.bench.stats import human_bytes, median_seconds
 PAYLOAD_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 LAYER_TOKENS = [256, 1024, 4096, 8192]
 HIDDEN, EXPERTS, TOPK = 2048, 64, 6
+FORMATS = {
+    "per_choice": (WireFormat.PER_CHOICE, CombineReduce.ATTENTION),
+    "per_rank": (WireFormat.PER_RANK, CombineReduce.ATTENTION),
+    "per_rank_ffn": (WireFormat.PER_RANK, CombineReduce.FFN),
+}
+"""The wire formats the per-layer benchmark can run: (wire_format, combine_reduce)."""
+
+
+def layer_bytes(plan: DispatchPlan, layout: SlotLayout) -> int:
+    """Bytes one attention rank's layer moves: dispatch rows (with ``per_rank``'s ids and
+    weights) and reply rows, over every FFN rank."""
+    row = layout.row_bytes
+    if not plan.per_rank:
+        return 2 * plan.segment_offsets[-1] * row
+    assert plan.rank_token_offsets is not None
+    tokens = plan.rank_token_offsets[-1]
+    dispatch = tokens * (row + 8 * layout.topk)  # int32 id + fp32 weight per choice
+    replies = tokens if layout.rows_per_token(MessageKind.REPLY) else plan.segment_offsets[-1]
+    return dispatch + replies * row
 
 
 # ---- latency and bandwidth: one attention and one FFN process -------------------------
@@ -83,8 +114,11 @@ def _bandwidth(transport: WindowTransport, sizes: list[int], repeats: int) -> di
 # ---- dispatch + combine per layer: 2 attention x 2 FFN --------------------------------
 
 
-def _layer_attention(connection: Connection, tokens: list[int], repeats: int) -> dict[str, float]:
+def _layer_attention(
+    connection: Connection, tokens: list[int], repeats: int
+) -> dict[str, dict[str, float]]:
     endpoint = connection.attention_endpoint(EndpointOptions(timeout=120.0))
+    layout = connection.layout
     gen = torch.Generator().manual_seed(connection.rank)
     results = {}
 
@@ -95,7 +129,11 @@ def _layer_attention(connection: Connection, tokens: list[int], repeats: int) ->
         x = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
         ids = torch.rand(t, EXPERTS, generator=gen).topk(TOPK, dim=-1).indices
         weights = torch.rand(t, TOPK, generator=gen)
-        results[str(t)] = median_seconds(partial(layer, x, ids, weights), repeats)
+        plan = plan_dispatch(ids, layout.topology, layout=layout)
+        results[str(t)] = {
+            "seconds": median_seconds(partial(layer, x, ids, weights), repeats),
+            "bytes": layer_bytes(plan, layout),
+        }
     endpoint.announce_shutdown()
     return results
 
@@ -140,28 +178,54 @@ def run(args: Any) -> dict[str, Any]:
             f"{gbs['write'] / gbs['floor']:6.2f} {gbs['write_notify_ack']:17.2f}"
         )
 
-    # Dispatch + combine per layer, 2A2F.
+    # Dispatch + combine per layer, 2A2F, in each wire format.
     tokens = [t for t in LAYER_TOKENS if t <= args.max_tokens]
+    formats = list(FORMATS) if args.wire_format == "all" else [args.wire_format]
     topo = Topology(2, 2, EXPERTS)
-    layer = SlotLayout(topo, HIDDEN, max(tokens), TOPK, dtype="bfloat16").window()
-    specs = [
-        RankSpec(Role.ATTENTION, r, _layer_attention, {"tokens": tokens, "repeats": args.repeats})
-        for r in range(2)
-    ] + [RankSpec(Role.FFN, r, serve_identity) for r in range(2)]
-    results = launch(layer, specs, timeout=900)
     report["layer"] = {}
     print(
         f"\ndispatch + combine per layer, 2A2F, hidden {HIDDEN} bf16, {EXPERTS} experts top-{TOPK}"
     )
     print("(identity FFN; both attention ranks run at once; floor = plain copy of the same bytes)")
-    print(f"  {'tokens':>6} {'rank0 ms':>9} {'rank1 ms':>9} {'floor ms':>9} {'floor/rank0':>12}")
-    for t in tokens:
-        moved = 2 * t * TOPK * HIDDEN * 2  # dispatch rows + reply rows, bf16
-        src = torch.empty(moved, dtype=torch.uint8)
-        dst = torch.empty(moved, dtype=torch.uint8)
-        floor = median_seconds(partial(dst.copy_, src), args.repeats)
-        r0 = results["attention rank 0"].value[str(t)]
-        r1 = results["attention rank 1"].value[str(t)]
-        report["layer"][str(t)] = {"rank0": r0, "rank1": r1, "floor": floor, "bytes": moved}
-        print(f"  {t:6d} {r0 * 1e3:9.2f} {r1 * 1e3:9.2f} {floor * 1e3:9.2f} {floor / r0:12.2f}")
+    print(
+        f"  {'format':>12} {'tokens':>6} {'MB/rank':>8} {'rank0 ms':>9} {'rank1 ms':>9} "
+        f"{'floor ms':>9} {'floor/rank0':>12}"
+    )
+    for name in formats:
+        wire, reduce = FORMATS[name]
+        slot = SlotLayout(
+            topo,
+            HIDDEN,
+            max(tokens),
+            TOPK,
+            dtype="bfloat16",
+            wire_format=wire,
+            combine_reduce=reduce,
+        )
+        specs = [
+            RankSpec(
+                Role.ATTENTION, r, _layer_attention, {"tokens": tokens, "repeats": args.repeats}
+            )
+            for r in range(2)
+        ] + [RankSpec(Role.FFN, r, serve_identity) for r in range(2)]
+        results = launch(slot.window(), specs, timeout=900)
+        report["layer"][name] = {}
+        for t in tokens:
+            r0 = results["attention rank 0"].value[str(t)]
+            r1 = results["attention rank 1"].value[str(t)]
+            moved = int(r0["bytes"])
+            src = torch.empty(moved, dtype=torch.uint8)
+            dst = torch.empty(moved, dtype=torch.uint8)
+            floor = median_seconds(partial(dst.copy_, src), args.repeats)
+            s0, s1 = r0["seconds"], r1["seconds"]
+            report["layer"][name][str(t)] = {
+                "rank0": s0,
+                "rank1": s1,
+                "floor": floor,
+                "bytes": moved,
+            }
+            print(
+                f"  {name:>12} {t:6d} {moved / 1e6:8.1f} {s0 * 1e3:9.2f} {s1 * 1e3:9.2f} "
+                f"{floor * 1e3:9.2f} {floor / s0:12.2f}"
+            )
     return report

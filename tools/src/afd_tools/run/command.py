@@ -15,7 +15,16 @@ from typing import Any
 import torch
 
 from afd_models import PRESET_NAMES, MonolithicModel, RandomWeights, preset
-from afd_protocol import AFDError, Role, SharedPlacement, SlotLayout, Topology, relative_error
+from afd_protocol import (
+    AFDError,
+    CombineReduce,
+    Role,
+    SharedPlacement,
+    SlotLayout,
+    Topology,
+    WireFormat,
+    relative_error,
+)
 from afd_protocol.launch import RankSpec, launch
 from afd_tools.run import ranks
 from afd_tools.run.lockstep import pipes as lockstep_pipes
@@ -96,6 +105,20 @@ def add_parser(sub: Any) -> None:
         default="attention",
         help="where shared experts run",
     )
+    p.add_argument(
+        "--wire-format",
+        choices=[w.value for w in WireFormat],
+        default="per_rank",
+        help="per_rank: a token's row travels once per FFN rank holding any of its experts; "
+        "per_choice: once per (token, expert)",
+    )
+    p.add_argument(
+        "--combine-reduce",
+        choices=[c.value for c in CombineReduce],
+        default="ffn",
+        help="who weights and sums a token's partials: the FFN ranks (per_rank only, one "
+        "reply row per token) or the attention side",
+    )
     p.add_argument("--backend", default="reference", help="expert backend on the FFN ranks")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the workload")
     p.add_argument(
@@ -140,6 +163,11 @@ def _run(args: argparse.Namespace) -> int:
         raise WorkloadError(
             f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}"
         )
+    if args.combine_reduce == CombineReduce.FFN.value and args.wire_format != "per_rank":
+        raise WorkloadError(
+            "--combine-reduce ffn needs --wire-format per_rank (per_choice rows carry no "
+            "weights for the FFN ranks to reduce with); add --combine-reduce attention"
+        )
     for path in (args.json, args.plot):
         check_writable(path)
     longest = config.max_position_embeddings
@@ -166,6 +194,8 @@ def _run(args: argparse.Namespace) -> int:
         config.num_experts_per_tok,
         dtype=args.dtype,
         shared_placement=args.shared,
+        wire_format=args.wire_format,
+        combine_reduce=args.combine_reduce,
     )
     window = slot.window(ring_depth=1)
     ctx = mp.get_context("spawn")

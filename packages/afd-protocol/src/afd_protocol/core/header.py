@@ -11,9 +11,10 @@ which request a reply answers) comes in the header::
     word  4  LAYER         model layer index
     word  5  STAGE         micro-batch stage index
     word  6  NUM_TOKENS    tokens in the sender's batch
-    word  7  ROUTED_ROWS   routed rows in this slot (sum of the expert counts)
+    word  7  ROUTED_ROWS   routed rows in this slot: the sum of the expert counts, or with
+                           the rows-per-token flag one row per token (see below)
     word  8  SHARED_ROWS   shared-expert rows in this slot
-    word  9  FLAGS         bit 0 shutdown, bit 1 abort
+    word  9  FLAGS         bit 0 shutdown, bit 1 abort, bit 2 rows per token
     word 10  SEQ           sender's sequence number for this message, in [1, 2**31)
     word 11  ANSWER_SEQ    on replies, the dispatch SEQ it answers; 0 on dispatch
     word 12  NUM_COUNTS    number of per-local-expert count words that follow
@@ -35,11 +36,19 @@ every burst of up to 32 bits, is caught. A CRC is linear over GF(2), so a device
 it without a serial loop (:func:`crc_columns`): XOR together one precomputed column per set
 bit, and the CRC of the all-zero header of that length.
 
+Rows come in one of two granularities, which the rows-per-token flag states (and the
+receiver's geometry requires, :attr:`HeaderLimits.rows_per_token`). Without it there is one
+row per (token, expert) partial, grouped by local expert: the counts sum to ROUTED_ROWS.
+With it (the ``per_rank`` wire format) there is one row per token that has at least one of
+its experts on the FFN rank, with that token's local expert ids and weights beside it: then
+ROUTED_ROWS is at most NUM_TOKENS, every count at most ROUTED_ROWS, and the counts -- the
+partials the FFN rank computes -- sum to between ROUTED_ROWS and ``ROUTED_ROWS * topk``.
+
 Beyond the checksum, :func:`decode_header` checks every invariant a header of this layout
-must satisfy -- ranges from the receiver's :class:`HeaderLimits`, counts summing to the
-routed rows, no expert count and no shared count above the token count, at most
-``num_tokens * topk`` routed rows, empty shutdown messages -- so a buggy sender that
-computes a valid checksum over wrong numbers is still refused, naming the field.
+must satisfy -- ranges from the receiver's :class:`HeaderLimits`, the counts against the
+rows as above, no expert count and no shared count above the token count, at most
+``num_tokens * topk`` partials, empty shutdown messages -- so a buggy sender that computes a
+valid checksum over wrong numbers is still refused, naming the field.
 """
 
 from __future__ import annotations
@@ -56,8 +65,9 @@ import torch
 from afd_protocol.core.errors import ProtocolError
 
 MAGIC = 0x41464447  # b"AFDG"
-PROTOCOL_VERSION = 2
-"""Version 2: the CRC-32 checksum and the invariant checks (version 1: a weighted sum)."""
+PROTOCOL_VERSION = 3
+"""Version 3: the rows-per-token flag (the ``per_rank`` wire format). Version 2 brought the
+CRC-32 checksum and the invariant checks; version 1 had a weighted-sum checksum."""
 MAX_COUNT_WORDS = 1 << 16
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
@@ -66,7 +76,9 @@ SEQ_LIMIT = 1 << 31
 
 FLAG_SHUTDOWN = 1 << 0
 FLAG_ABORT = 1 << 1
-KNOWN_FLAGS = FLAG_SHUTDOWN | FLAG_ABORT
+FLAG_ROWS_PER_TOKEN = 1 << 2
+"""The routed rows are one per token (``per_rank`` wire format), not one per partial."""
+KNOWN_FLAGS = FLAG_SHUTDOWN | FLAG_ABORT | FLAG_ROWS_PER_TOKEN
 
 
 def next_seq(seq: int) -> int:
@@ -129,6 +141,15 @@ class Header:
         return bool(self.flags & FLAG_ABORT)
 
     @property
+    def rows_per_token(self) -> bool:
+        return bool(self.flags & FLAG_ROWS_PER_TOKEN)
+
+    @property
+    def num_partials(self) -> int:
+        """(token, expert) partials this message is about: the sum of the expert counts."""
+        return sum(self.expert_counts)
+
+    @property
     def num_words(self) -> int:
         return HEADER_FIXED_WORDS + len(self.expert_counts)
 
@@ -148,7 +169,10 @@ class HeaderLimits:
     num_layers: int | None = None
     num_stages: int | None = None
     topk: int | None = None
-    """Experts per token: a message carries at most ``num_tokens * topk`` routed rows."""
+    """Experts per token: a message is about at most ``num_tokens * topk`` partials."""
+    rows_per_token: bool | None = None
+    """Whether this receiver's geometry sends one row per token (the rows-per-token flag
+    must then be set on every message with rows) or one per partial (clear)."""
 
 
 def checksum(words: Sequence[int]) -> int:
@@ -242,6 +266,62 @@ def _bad(name: str, value: int, expected: str) -> ProtocolError:
     return ProtocolError(f"bad slot header: {name}={value}, expected {expected}")
 
 
+def _check_rows(
+    flags: int,
+    num_tokens: int,
+    routed_rows: int,
+    counts: tuple[int, ...],
+    lim: HeaderLimits | None,
+) -> None:
+    """The routed rows against the counts, at the granularity the flag states."""
+    per_token = bool(flags & FLAG_ROWS_PER_TOKEN)
+    partials = sum(counts)
+    expected = lim.rows_per_token if lim is not None else None
+    # A shutdown carries no rows, so its granularity is moot.
+    if expected is not None and per_token != expected and not flags & FLAG_SHUTDOWN:
+        want = "set" if expected else "clear"
+        layout = "per_rank" if expected else "per_choice"
+        raise _bad(
+            "FLAGS",
+            flags,
+            f"the rows-per-token bit {FLAG_ROWS_PER_TOKEN:#b} {want} (this geometry's wire "
+            f"format is {layout})",
+        )
+    if not per_token:
+        if partials != routed_rows:
+            raise _bad("ROUTED_ROWS", routed_rows, f"the sum of EXPERT_COUNTS ({partials})")
+    elif routed_rows > num_tokens:
+        raise _bad(
+            "ROUTED_ROWS", routed_rows, f"at most NUM_TOKENS={num_tokens} (one row per token)"
+        )
+    elif counts and max(counts) > routed_rows:
+        i, c = next((i, c) for i, c in enumerate(counts) if c > routed_rows)
+        raise _bad(f"EXPERT_COUNTS[{i}]", c, f"at most ROUTED_ROWS={routed_rows} (one per row)")
+    elif partials < routed_rows:
+        raise _bad(
+            "ROUTED_ROWS",
+            routed_rows,
+            f"at most the sum of EXPERT_COUNTS ({partials}): every row has an expert here",
+        )
+    topk = lim.topk if lim is not None else None
+    if topk is None:
+        return
+    if not per_token and routed_rows > num_tokens * topk:
+        raise _bad(
+            "ROUTED_ROWS",
+            routed_rows,
+            f"at most NUM_TOKENS * topk = {num_tokens} * {topk} (one row per token and choice)",
+        )
+    if per_token and partials > routed_rows * topk:
+        # Rows are at most NUM_TOKENS, so this also bounds the partials by NUM_TOKENS * topk.
+        raise _bad(
+            "EXPERT_COUNTS",
+            partials,
+            f"a sum of at most ROUTED_ROWS * topk = {routed_rows} * {topk} (each row's token "
+            f"chose topk experts)",
+        )
+
+
 def decode_header(
     words: Sequence[int] | torch.Tensor, limits: HeaderLimits | None = None
 ) -> Header:
@@ -313,7 +393,7 @@ def decode_header(
     shared_rows = in_range(Word.SHARED_ROWS, 0, lim.shared_cap + 1 if lim else None)
     flags = word(Word.FLAGS)
     if flags & ~KNOWN_FLAGS:
-        raise _bad("FLAGS", flags, f"only bits {KNOWN_FLAGS:#b} (shutdown, abort)")
+        raise _bad("FLAGS", flags, f"only bits {KNOWN_FLAGS:#b} (shutdown, abort, rows per token)")
     seq = in_range(Word.SEQ, 1, SEQ_LIMIT)
     answer_seq = word(Word.ANSWER_SEQ)
     if kind is MessageKind.DISPATCH and answer_seq != 0:
@@ -328,14 +408,7 @@ def decode_header(
             c,
             f"[0, NUM_TOKENS={num_tokens}] (a token is routed to an expert at most once)",
         )
-    if sum(counts) != routed_rows:
-        raise _bad("ROUTED_ROWS", routed_rows, f"the sum of EXPERT_COUNTS ({sum(counts)})")
-    if lim is not None and lim.topk is not None and routed_rows > num_tokens * lim.topk:
-        raise _bad(
-            "ROUTED_ROWS",
-            routed_rows,
-            f"at most NUM_TOKENS * topk = {num_tokens} * {lim.topk} (one row per token and choice)",
-        )
+    _check_rows(flags, num_tokens, routed_rows, counts, lim)
     if shared_rows > num_tokens:
         raise _bad("SHARED_ROWS", shared_rows, f"at most NUM_TOKENS={num_tokens}")
     # Rows are bounded by tokens above, so an empty shutdown is one with no tokens.

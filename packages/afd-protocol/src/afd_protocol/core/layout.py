@@ -3,7 +3,8 @@
 A rank's *window* is one contiguous buffer that its peers write into::
 
     window = [ flags[num_regions][ring_depth] | abort[num_regions] | slot(0,0) | slot(0,1) | ... ]
-    slot   = [ header | route_index | routed_rows | routed_scales | shared_rows | shared_scales ]
+    slot   = [ header | route_index | route_ids | route_weights | routed_rows | routed_scales
+               | shared_rows | shared_scales ]
 
 Every field starts on a 256-byte boundary. A sender writes only the region numbered by
 its own role rank (its slots, its flag words and its abort word), so no two writers
@@ -11,11 +12,26 @@ ever touch the same bytes and no remote atomics are needed. The same slot layout
 used for dispatch (attention -> FFN) and for replies (FFN -> attention), so one
 geometry sizes both directions.
 
+Two wire formats (:class:`WireFormat`, part of the geometry):
+
+* ``per_choice``: one routed row per (token, expert) partial each way, grouped by local
+  expert; the weights stay on the attention side, which applies them at combine.
+* ``per_rank``: a token's row travels once to every FFN rank that holds any of its
+  experts, with its ``topk`` local expert ids (-1: not here) and weights in ``route_ids``
+  and ``route_weights``. The FFN rank expands the rows to its experts. With
+  ``combine_reduce="ffn"`` it also sums each token's partials with the weights (fp32) and
+  replies one row per token; with ``"attention"`` it replies one row per partial, in the
+  ``per_choice`` order, and the attention side weights them. At top-k 6 and one FFN rank
+  this moves six times fewer dispatch rows (and, reduced on the FFN, reply rows).
+
 Capacities are fixed at initialisation:
 
 * ``token_cap = max_num_batched_tokens``
-* ``routed_cap = ceil(ceil(token_cap * topk / F) * routed_cap_multiplier)``, at most
-  ``token_cap * topk`` (the worst case, every partial on one rank, is multiplier = F)
+* ``routed_cap``, the rows a slot's ``routed_rows`` field holds: for ``per_choice``
+  ``ceil(ceil(token_cap * topk / F) * routed_cap_multiplier)``, at most
+  ``token_cap * topk`` (the worst case, every partial on one rank, is multiplier = F); for
+  ``per_rank`` reduced on the FFN ``token_cap`` (no routing can overflow it); for
+  ``per_rank`` reduced on the attention side the larger of the two
 * ``shared_cap = ceil(token_cap / F)`` when shared experts run on the FFN side, else 0
 
 A batch that does not fit raises :class:`CapacityError` naming the numbers, before
@@ -72,6 +88,21 @@ class SharedPlacement(str, enum.Enum):
     FFN = "ffn"
 
 
+class WireFormat(str, enum.Enum):
+    """How routed rows travel (see the module docstring)."""
+
+    PER_CHOICE = "per_choice"
+    PER_RANK = "per_rank"
+
+
+class CombineReduce(str, enum.Enum):
+    """Who weights and sums a token's partials: the ``attention`` side at combine, or the
+    ``ffn`` side before replying (``per_rank`` only)."""
+
+    ATTENTION = "attention"
+    FFN = "ffn"
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """One field of a slot: byte offset inside the slot, size, element type and shape."""
@@ -97,6 +128,8 @@ class SlotLayout:
     """Optional low-precision dispatch payload (fp8/int8) with one fp32 scale per row."""
     routed_cap_multiplier: float = 2.0
     shared_placement: SharedPlacement = SharedPlacement.ATTENTION
+    wire_format: WireFormat = WireFormat.PER_CHOICE
+    combine_reduce: CombineReduce = CombineReduce.ATTENTION
 
     token_cap: int = field(init=False)
     routed_cap: int = field(init=False)
@@ -111,7 +144,17 @@ class SlotLayout:
         f = topo.num_ffn_ranks
         token_cap = self.max_num_batched_tokens
         even_split = math.ceil(token_cap * self.topk / f)
-        routed_cap = min(math.ceil(even_split * self.routed_cap_multiplier), token_cap * self.topk)
+        per_choice_cap = min(
+            math.ceil(even_split * self.routed_cap_multiplier), token_cap * self.topk
+        )
+        per_rank = self.wire_format is WireFormat.PER_RANK
+        if not per_rank:
+            routed_cap = per_choice_cap
+        elif self.combine_reduce is CombineReduce.FFN:
+            routed_cap = token_cap
+        else:
+            routed_cap = max(token_cap, per_choice_cap)
+        route_rows = token_cap if per_rank else 0
         shared_cap = math.ceil(token_cap / f) if self.shared_placement is SharedPlacement.FFN else 0
         header_words = HEADER_FIXED_WORDS + topo.expert_placement.max_local_experts
         row_bytes = self.hidden_size * DTYPE_ITEMSIZE[self.dtype]
@@ -128,6 +171,8 @@ class SlotLayout:
 
         add("header", "int32", (header_words,))
         add("route_index", "int32", (routed_cap,))
+        add("route_ids", "int32", (route_rows, self.topk))
+        add("route_weights", "float32", (route_rows, self.topk))
         # Rows are sized for the activation dtype, which is at least as wide as any
         # low-precision payload: the reply into the same slot carries full-width rows.
         add("routed_rows", "uint8", (routed_cap, row_bytes))
@@ -168,13 +213,26 @@ class SlotLayout:
                 f"balanced router, {self.topology.num_ffn_ranks} fits any routing), got "
                 f"{self.routed_cap_multiplier}"
             )
-        if not isinstance(self.shared_placement, SharedPlacement):
-            try:
-                object.__setattr__(self, "shared_placement", SharedPlacement(self.shared_placement))
-            except ValueError:
-                raise TopologyError(
-                    f"shared_placement {self.shared_placement!r} must be 'attention' or 'ffn'"
-                ) from None
+        for name, kind in (
+            ("shared_placement", SharedPlacement),
+            ("wire_format", WireFormat),
+            ("combine_reduce", CombineReduce),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, name, kind(value))
+                except ValueError:
+                    choices = " or ".join(repr(k.value) for k in kind)
+                    raise TopologyError(f"{name} {value!r} must be {choices}") from None
+        if (
+            self.wire_format is WireFormat.PER_CHOICE
+            and self.combine_reduce is not CombineReduce.ATTENTION
+        ):
+            raise TopologyError(
+                "combine_reduce='ffn' needs wire_format='per_rank' (per_choice rows carry no "
+                "weights for the FFN side to reduce with)"
+            )
 
     # ---- fields -----------------------------------------------------------------
 
@@ -205,7 +263,8 @@ class SlotLayout:
         header carries one count per local expert of ``ffn_rank``.
         """
         topo = self.topology
-        senders = topo.num_attention_ranks if kind is MessageKind.DISPATCH else topo.num_ffn_ranks
+        dispatch = kind is MessageKind.DISPATCH
+        senders = topo.num_attention_ranks if dispatch else topo.num_ffn_ranks
         return HeaderLimits(
             token_cap=self.token_cap,
             routed_cap=self.routed_cap,
@@ -215,7 +274,27 @@ class SlotLayout:
             num_layers=num_layers,
             num_stages=num_stages,
             topk=self.topk,
+            rows_per_token=self.rows_per_token(kind),
         )
+
+    @property
+    def per_rank(self) -> bool:
+        return self.wire_format is WireFormat.PER_RANK
+
+    def rows_per_token(self, kind: MessageKind) -> bool:
+        """Whether messages of ``kind`` carry one row per token (else one per partial)."""
+        if not self.per_rank:
+            return False
+        return kind is MessageKind.DISPATCH or self.combine_reduce is CombineReduce.FFN
+
+    def slot_rows(self, partials: int, token_rows: int) -> int:
+        """The most rows either direction puts into one slot, for a destination that gets
+        ``partials`` (token, expert) partials of ``token_rows`` distinct tokens."""
+        if not self.per_rank:
+            return partials
+        if self.combine_reduce is CombineReduce.FFN:
+            return token_rows
+        return max(partials, token_rows)
 
     # ---- capacity ---------------------------------------------------------------
 
@@ -267,6 +346,8 @@ class SlotLayout:
             "payload_dtype": self.payload_dtype,
             "routed_cap_multiplier": self.routed_cap_multiplier,
             "shared_placement": self.shared_placement.value,
+            "wire_format": self.wire_format.value,
+            "combine_reduce": self.combine_reduce.value,
             "routed_cap": self.routed_cap,
             "shared_cap": self.shared_cap,
             "slot_bytes": self.slot_bytes,

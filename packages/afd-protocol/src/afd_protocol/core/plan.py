@@ -19,10 +19,18 @@ ascending order -- exactly the order the FFN side computes in. A count of the ke
 the segment offsets. Stability keeps the partials of one expert in token order, which
 makes the plan deterministic.
 
-``topk_weights`` never travel: the attention side keeps them, and
-:func:`combine_scatter` applies them while accumulating replies into an fp32
+In the ``per_choice`` wire format ``topk_weights`` never travel: the attention side keeps
+them, and :func:`combine_scatter` applies them while accumulating replies into an fp32
 accumulator (a weighted ``index_add_``). Summation order therefore does not depend on
 which FFN rank answers first beyond fp32 rounding.
+
+In the ``per_rank`` format the plan also lists, per FFN rank, the distinct tokens that
+have any expert there (``rank_tokens``, ascending) with their local expert ids
+(``rank_local_ids``, -1 where a choice is elsewhere); each such token's row travels once,
+with its weights (:meth:`DispatchPlan.rank_weights`). Expanding those rows to partials by
+local expert, stably, gives exactly the ``per_choice`` order, so a reply per partial is
+combined by :func:`combine_scatter` either way; a reply already reduced on the FFN side
+(one row per token) by :func:`combine_reduced`.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from afd_protocol.core.errors import InvalidArgument, ProtocolError
-from afd_protocol.core.layout import SharedPlacement, SlotLayout
+from afd_protocol.core.layout import SharedPlacement, SlotLayout, WireFormat
 from afd_protocol.core.tensors import constant_index
 from afd_protocol.core.topology import ExpertPlacement, Topology
 
@@ -78,6 +86,47 @@ class DispatchPlan(WireOrder):
     """Rank ``d`` owns wire positions ``[rank_wire_offsets[d], rank_wire_offsets[d + 1])``."""
     segment_offsets: tuple[int, ...]
     """Rows for FFN rank ``d`` are ``[segment_offsets[d], segment_offsets[d + 1])``."""
+    rank_token_offsets: tuple[int, ...] | None = None
+    """``per_rank`` plans: FFN rank ``d``'s token rows are ``rank_tokens[o[d]:o[d + 1]]``."""
+    rank_tokens: torch.Tensor | None = None
+    """``per_rank``: int64 ``[N]``, per FFN rank (rank-major) its tokens, ascending."""
+    rank_local_ids: torch.Tensor | None = None
+    """``per_rank``: int32 ``[N, k]``, each token row's local expert id per choice on that
+    FFN rank, -1 where the choice is on another rank."""
+
+    @property
+    def per_rank(self) -> bool:
+        """Whether this plan also lists the ``per_rank`` token rows."""
+        return self.rank_token_offsets is not None
+
+    def _rank_offsets(self) -> tuple[int, ...]:
+        if self.rank_token_offsets is None:
+            raise InvalidArgument(
+                "this plan was made for the per_choice wire format; plan with "
+                "wire_format='per_rank' for token rows"
+            )
+        return self.rank_token_offsets
+
+    def rank_segment(self, dest: int) -> slice:
+        """``dest``'s token rows within ``rank_tokens`` and ``rank_local_ids``."""
+        offsets = self._rank_offsets()
+        return slice(offsets[dest], offsets[dest + 1])
+
+    def rank_rows(self, dest: int) -> int:
+        """Token rows sent to ``dest`` in the ``per_rank`` format."""
+        offsets = self._rank_offsets()
+        return offsets[dest + 1] - offsets[dest]
+
+    def rank_weights(self, topk_weights: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N, k]``: each token row's routing weights, 0 where the choice is on another
+        FFN rank (so a receiver that sums over all ``k`` adds nothing for them)."""
+        offsets = self._rank_offsets()
+        assert self.rank_tokens is not None
+        assert self.rank_local_ids is not None
+        if offsets[-1] == 0:
+            return torch.zeros(0, self.topk, dtype=torch.float32, device=topk_weights.device)
+        rows = topk_weights.index_select(0, self.rank_tokens).float()
+        return rows.masked_fill(self.rank_local_ids < 0, 0.0)
 
     @property
     def num_ffn_ranks(self) -> int:
@@ -125,7 +174,9 @@ class DispatchPlan(WireOrder):
     def check_capacity(self, layout: SlotLayout) -> None:
         """Raise :class:`~afd_protocol.errors.CapacityError` if any destination overflows."""
         for d in range(self.num_ffn_ranks):
-            layout.check_capacity(self.num_tokens, self.routed_rows(d), self.shared_rows(d), dest=d)
+            token_rows = self.rank_rows(d) if self.per_rank else 0
+            rows = layout.slot_rows(self.routed_rows(d), token_rows)
+            layout.check_capacity(self.num_tokens, rows, self.shared_rows(d), dest=d)
 
 
 def wire_table(placement: ExpertPlacement, device: torch.device) -> torch.Tensor:
@@ -175,12 +226,18 @@ def plan_dispatch(
     topology: Topology,
     shared_placement: SharedPlacement | str = SharedPlacement.ATTENTION,
     layout: SlotLayout | None = None,
+    wire_format: WireFormat | str | None = None,
 ) -> DispatchPlan:
     """Plan one layer's dispatch from the router's choices (see the module docstring).
 
     With ``layout`` given, capacities are checked here, before anything is written.
+    ``wire_format`` defaults to the layout's (``per_choice`` without a layout); a
+    ``per_rank`` plan also lists each FFN rank's token rows.
     """
     placement_kind = SharedPlacement(shared_placement)
+    if wire_format is None:
+        wire_format = layout.wire_format if layout is not None else WireFormat.PER_CHOICE
+    per_rank = WireFormat(wire_format) is WireFormat.PER_RANK
     check_topk_ids(topk_ids)
     num_tokens, topk = topk_ids.shape
     placement = topology.expert_placement
@@ -188,22 +245,30 @@ def plan_dispatch(
     device = topk_ids.device
 
     flat = topk_ids.reshape(-1).long()
+    clamped = flat.clamp(0, num_experts - 1)
     wire_of_expert = wire_table(placement, device)
-    keys = wire_of_expert.index_select(0, flat.clamp(0, num_experts - 1))
+    keys = wire_of_expert.index_select(0, clamped)
     # index_add_ rather than bincount: on CUDA, bincount reads the largest key back to the
     # host to size its output, a second synchronisation per layer.
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.index_add_(0, keys, _one(device).expand(keys.numel()))
     order = torch.sort(keys, stable=True).indices
+    num_ffn = placement.num_ffn_ranks
+    hits = _rank_hits(clamped, placement, num_tokens, topk) if per_rank else None
     # One device-to-host copy carries the range check and the counts (each launch costs the
     # host several microseconds, so the bounds come from one aminmax and ride along).
     if flat.numel():
         low_t, high_t = torch.aminmax(flat)
-        host = torch.cat([low_t.view(1), high_t.view(1), counts]).tolist()
-        host_counts = tuple(host[2:])
+        parts = [low_t.view(1), high_t.view(1), counts]
+        if hits is not None:
+            parts.append(hits.sum(0))
+        host = torch.cat(parts).tolist()
+        host_counts = tuple(host[2 : 2 + num_experts])
+        host_rank_rows = tuple(host[2 + num_experts :])
         check_expert_bounds(host[0], host[1], num_experts)
     else:
         host_counts = (0,) * num_experts
+        host_rank_rows = (0,) * num_ffn
     if host_counts and max(host_counts) > num_tokens:
         raise InvalidArgument(
             f"topk_ids route {max(host_counts)} rows of {num_tokens} tokens to one expert: some "
@@ -216,6 +281,12 @@ def plan_dispatch(
         segments.append(segments[-1] + sum(host_counts[rank_offsets[d] : rank_offsets[d + 1]]))
 
     shared = shared_token_split(num_tokens, topology, placement_kind, device)
+    rank_token_offsets: tuple[int, ...] | None = None
+    rank_tokens = rank_local_ids = None
+    if hits is not None:
+        rank_token_offsets, rank_tokens, rank_local_ids = _rank_rows(
+            topk_ids, hits, placement, host_rank_rows
+        )
 
     plan = DispatchPlan(
         num_tokens=num_tokens,
@@ -228,11 +299,50 @@ def plan_dispatch(
         rank_wire_offsets=rank_offsets,
         segment_offsets=tuple(segments),
         shared_tokens=shared,
+        rank_token_offsets=rank_token_offsets,
+        rank_tokens=rank_tokens,
+        rank_local_ids=rank_local_ids,
     )
     if layout is not None:
         check_topk(topk, layout)
         plan.check_capacity(layout)
     return plan
+
+
+def _rank_hits(
+    clamped: torch.Tensor, placement: ExpertPlacement, num_tokens: int, topk: int
+) -> torch.Tensor:
+    """bool ``[T, F]``: whether token ``t`` has any expert on FFN rank ``d``."""
+    device = clamped.device
+    owner = constant_index(tuple(placement.owner), device).index_select(0, clamped)
+    hits = torch.zeros(num_tokens, placement.num_ffn_ranks, dtype=torch.bool, device=device)
+    return hits.scatter_(1, owner.view(num_tokens, topk), True)
+
+
+def _rank_rows(
+    topk_ids: torch.Tensor,
+    hits: torch.Tensor,
+    placement: ExpertPlacement,
+    host_rank_rows: tuple[int, ...],
+) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """The ``per_rank`` fields of a plan: every FFN rank's token offsets, tokens and local
+    ids."""
+    num_tokens = topk_ids.shape[0]
+    device = topk_ids.device
+    offsets = [0]
+    for rows in host_rank_rows:
+        offsets.append(offsets[-1] + rows)
+    # Rank-major, tokens ascending: a stable sort of the [F, T] misses puts every hit first,
+    # in exactly that order (one sort, no second device-to-host read).
+    misses = (~hits.T).reshape(-1).to(torch.int32)
+    flat_hits = torch.sort(misses, stable=True).indices[: offsets[-1]]
+    tokens = flat_hits % max(num_tokens, 1)
+    dest_of_row = torch.div(flat_hits, max(num_tokens, 1), rounding_mode="floor")
+    chosen = topk_ids.index_select(0, tokens).long().clamp(0, placement.num_experts - 1)
+    owner = constant_index(tuple(placement.owner), device)[chosen]
+    local = constant_index(tuple(placement.local_id), device)[chosen]
+    local_ids = torch.where(owner == dest_of_row[:, None], local, -1).to(torch.int32)
+    return tuple(offsets), tokens, local_ids
 
 
 def check_topk_ids(topk_ids: torch.Tensor) -> None:
@@ -340,6 +450,42 @@ def combine_scatter(
         weights = topk_weights.reshape(-1).index_select(0, plan.order[segment]).float()
         weighted = routed_out.to(torch.float32, copy=True).mul_(weights[:, None])
         accumulator.index_add_(0, plan.row_token[segment], weighted)
+    _add_shared(accumulator, plan, dest, shared_out)
+
+
+def combine_reduced(
+    accumulator: torch.Tensor,
+    plan: DispatchPlan,
+    dest: int,
+    reduced_out: torch.Tensor,
+    shared_out: torch.Tensor | None = None,
+) -> None:
+    """Add FFN rank ``dest``'s reply reduced on the FFN side into ``accumulator`` (fp32).
+
+    ``per_rank`` wire format with ``combine_reduce="ffn"``: ``reduced_out`` holds one row per
+    token sent to ``dest`` (``plan.rank_tokens``' segment, ascending), each already the
+    weighted sum of that token's partials there.
+    """
+    if accumulator.dtype != torch.float32:
+        raise TypeError(f"the combine accumulator must be float32, got {accumulator.dtype}")
+    hidden = accumulator.shape[1]
+    expected = plan.rank_rows(dest)
+    if reduced_out.dim() != 2 or tuple(reduced_out.shape) != (expected, hidden):
+        raise ProtocolError(
+            f"reply from FFN rank {dest} has reduced rows of shape {tuple(reduced_out.shape)}, "
+            f"expected [{expected}, {hidden}] (one per token sent there)"
+        )
+    if expected:
+        assert plan.rank_tokens is not None
+        tokens = plan.rank_tokens[plan.rank_segment(dest)]
+        accumulator.index_add_(0, tokens, reduced_out.float())
+    _add_shared(accumulator, plan, dest, shared_out)
+
+
+def _add_shared(
+    accumulator: torch.Tensor, plan: WireOrder, dest: int, shared_out: torch.Tensor | None
+) -> None:
+    hidden = accumulator.shape[1]
     want_shared = plan.shared_rows(dest)
     if want_shared:
         if shared_out is None or tuple(shared_out.shape) != (want_shared, hidden):

@@ -2,12 +2,20 @@
 
 Contract (seed 002): a work item is one attention DP replica x one layer x one stage. It
 is ready only when every participant of the replica has published its part; an FFN rank
-may take any ready item but must not starve one. Each part arrives grouped by local
-expert with its group list: the FFN side never routes.
+may take any ready item but must not starve one. The FFN side never routes: each part
+carries its group list, and in the ``per_rank`` wire format each token row its local
+expert ids and weights.
+
+An FFN computes every part the same way, whatever the wire format::
+
+    rows, group_list = part.grouped()     # rows grouped by local expert, ascending
+    out = experts(rows, group_list)       # one output row per input row
+    reply_rows = part.finish(out)         # what reply() expects for this part
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +48,74 @@ class WorkItemPart:
     layer_index: torch.Tensor
     """``[1]`` integer tensor on the receiving device holding the layer, for device code
     (a graph or a layer-select kernel) that must not read it through the host."""
+    route_ids: torch.Tensor | None = None
+    """``per_rank`` only: int32 ``[R, k]``, each token row's local expert ids, -1 where the
+    choice is on another FFN rank; ``routed_rows`` then holds one row per token."""
+    route_weights: torch.Tensor | None = None
+    """``per_rank`` only: fp32 ``[R, k]``, the routing weights beside ``route_ids``."""
+    reduce_on_ffn: bool = False
+    """``per_rank`` with ``combine_reduce="ffn"``: the reply is one row per token row, the
+    weighted sum of its partials (``finish`` computes it)."""
+    partials_hint: int | None = None
+    """``per_rank``: the number of partials as the header announced it (the sum of the
+    group list, known on the host), so expanding needs no device-to-host read."""
+
+    @property
+    def num_partials(self) -> int:
+        """(token, expert) partials this part asks for: rows once expanded."""
+        if self.route_ids is None:
+            return int(self.routed_rows.shape[0])
+        return self._expansion[0].numel()
+
+    @property
+    def num_reply_rows(self) -> int:
+        """Rows of this part in ``reply``'s ``routed_out``."""
+        if self.route_ids is None or not self.reduce_on_ffn:
+            return self.num_partials
+        return int(self.routed_rows.shape[0])
+
+    @functools.cached_property
+    def _expansion(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``per_rank``: the token row and the weight of every partial, grouped by local
+        expert (a stable sort, so token order within an expert, as ``per_choice`` sends)."""
+        assert self.route_ids is not None
+        assert self.route_weights is not None
+        topk = self.route_ids.shape[1]
+        ids = self.route_ids.reshape(-1).long()
+        num_local = self.group_list.numel()
+        key = torch.where(ids >= 0, ids, num_local)
+        order = torch.sort(key, stable=True).indices
+        partials = self.partials_hint
+        if partials is None:
+            partials = int((ids >= 0).sum())
+        order = order[:partials]
+        rows = torch.div(order, topk, rounding_mode="floor")
+        return rows, self.route_weights.reshape(-1).index_select(0, order)
+
+    def grouped(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [P, H], group_list)``: one row per partial, grouped by local expert.
+
+        ``per_choice`` rows already are (no copy); ``per_rank`` token rows are expanded.
+        """
+        if self.route_ids is None:
+            return self.routed_rows, self.group_list
+        rows, _ = self._expansion
+        return self.routed_rows.index_select(0, rows), self.group_list
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """This part's reply rows from ``out [P, H]``, the expert outputs of ``grouped()``'s rows.
+
+        Unchanged unless the FFN side reduces: then each token row's partials are weighted
+        and summed in fp32 and returned in ``out``'s dtype, one row per token row.
+        """
+        if not self.reduce_on_ffn:
+            return out
+        rows, weights = self._expansion
+        reduced = torch.zeros(
+            self.routed_rows.shape[0], out.shape[1], dtype=torch.float32, device=out.device
+        )
+        reduced.index_add_(0, rows.to(out.device), out.float() * weights.to(out.device)[:, None])
+        return reduced.to(out.dtype)
 
 
 @dataclass(frozen=True)
@@ -63,8 +139,8 @@ class WorkItem:
 
     @property
     def num_routed_rows(self) -> int:
-        """Rows ``reply`` expects in ``routed_out``: the parts' routed rows, concatenated."""
-        return sum(int(p.routed_rows.shape[0]) for p in self.parts)
+        """Rows ``reply`` expects in ``routed_out``: each part's ``finish`` output, concatenated."""
+        return sum(p.num_reply_rows for p in self.parts)
 
     @property
     def num_shared_rows(self) -> int:

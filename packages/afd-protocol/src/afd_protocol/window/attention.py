@@ -32,12 +32,14 @@ from afd_protocol.core.errors import (
     ProtocolError,
     RingExhausted,
 )
-from afd_protocol.core.header import Header, MessageKind, decode_header
+from afd_protocol.core.header import FLAG_ROWS_PER_TOKEN, Header, MessageKind, decode_header
+from afd_protocol.core.layout import CombineReduce
 from afd_protocol.core.plan import (
     DispatchPlan,
     WireOrder,
     check_topk,
     check_topk_ids,
+    combine_reduced,
     combine_scatter,
     new_accumulator,
     plan_dispatch,
@@ -118,6 +120,9 @@ class WindowAttentionEndpoint(WindowEndpoint):
         self._free_rings = list(rings)
         self._in_flight: dict[int, WindowDispatch] = {}
         self._publish_to_all = self._topology.attn_ranks_per_dp > 1
+        self._reduced_replies = self._slot.per_rank and (
+            self._slot.combine_reduce is CombineReduce.FFN
+        )
 
     def _check_kernel_options(self) -> None:
         """Refuse options that need device kernels: this endpoint has none."""
@@ -249,11 +254,21 @@ class WindowAttentionEndpoint(WindowEndpoint):
             range(self._topology.num_ffn_ranks) if self._publish_to_all else plan.destinations
         )
         ring = handle.ring
+        weights = plan.rank_weights(handle.topk_weights) if plan.per_rank else None
         for dest in destinations:
             view = self._send_views[dest][ring]
-            rows = plan.routed_rows(dest)
-            if rows:
+            if weights is None:
+                rows = plan.routed_rows(dest)
                 tokens = plan.tokens_for(dest)
+            else:
+                rows = plan.rank_rows(dest)
+                segment = plan.rank_segment(dest)
+                assert plan.rank_tokens is not None
+                assert plan.rank_local_ids is not None
+                tokens = plan.rank_tokens[segment]
+                view.route_ids[:rows].copy_(plan.rank_local_ids[segment])
+                view.route_weights[:rows].copy_(weights[segment])
+            if rows:
                 torch.index_select(hidden_states, 0, tokens, out=view.routed_rows[:rows])
                 view.route_index[:rows].copy_(tokens)
             counts = plan.host_group_list(dest)
@@ -284,6 +299,7 @@ class WindowAttentionEndpoint(WindowEndpoint):
             routed_rows=routed_rows,
             shared_rows=shared,
             seq=self._transport.sequence.next(),
+            flags=FLAG_ROWS_PER_TOKEN if self._slot.per_rank else 0,
             expert_counts=counts,
         )
 
@@ -344,14 +360,11 @@ class WindowAttentionEndpoint(WindowEndpoint):
             header = handle.arrived[dest]
             view = self._reply_views[dest][handle.ring]
             shared = view.shared_rows[: header.shared_rows] if header.shared_rows else None
-            combine_scatter(
-                accumulator,
-                plan,
-                dest,
-                view.routed_rows[: header.routed_rows],
-                handle.topk_weights,
-                shared,
-            )
+            routed = view.routed_rows[: header.routed_rows]
+            if self._reduced_replies:
+                combine_reduced(accumulator, plan, dest, routed, shared)
+            else:
+                combine_scatter(accumulator, plan, dest, routed, handle.topk_weights, shared)
         return accumulator.to(handle.dtype)
 
     def _release(self, ring: int) -> None:

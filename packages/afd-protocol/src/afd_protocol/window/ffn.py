@@ -10,6 +10,7 @@ local expert with its group list in the header.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -18,7 +19,15 @@ import torch
 
 from afd_protocol.core.endpoints import EndpointOptions
 from afd_protocol.core.errors import ConnectorShutdown, InvalidArgument, PeerTimeout, ProtocolError
-from afd_protocol.core.header import HEADER_FIXED_WORDS, Header, MessageKind, Word, decode_header
+from afd_protocol.core.header import (
+    FLAG_ROWS_PER_TOKEN,
+    HEADER_FIXED_WORDS,
+    Header,
+    MessageKind,
+    Word,
+    decode_header,
+)
+from afd_protocol.core.layout import CombineReduce
 from afd_protocol.core.topology import Role
 from afd_protocol.core.workitem import WorkItem, WorkItemKey, WorkItemPart
 from afd_protocol.window.common import WindowEndpoint
@@ -69,6 +78,8 @@ class WindowFFNEndpoint(WindowEndpoint):
         self._in_service: dict[WorkItemKey, tuple[WorkItem, list[_Received]]] = {}
         self._finished: set[int] = set()
         self._next_replica = 0
+        self._reduce_on_ffn = self._slot.combine_reduce is CombineReduce.FFN
+        self._reply_flags = FLAG_ROWS_PER_TOKEN if self._reduce_on_ffn else 0
 
     def _work_in_progress(self) -> int:
         # Items taken but not answered, and parts received but not yet taken: a later
@@ -163,6 +174,15 @@ class WindowFFNEndpoint(WindowEndpoint):
             group_list=view.header[HEADER_FIXED_WORDS : header.num_words].to(torch.int64),
             layer_index=view.header[Word.LAYER : Word.LAYER + 1],
         )
+        if header.rows_per_token:
+            rows = header.routed_rows
+            part = dataclasses.replace(
+                part,
+                route_ids=view.route_ids[:rows],
+                route_weights=view.route_weights[:rows],
+                reduce_on_ffn=self._reduce_on_ffn,
+                partials_hint=header.num_partials,
+            )
         parts[src] = _Received(part, ring, header)
         self._arrival.setdefault(key, next(self._counter))
 
@@ -222,7 +242,7 @@ class WindowFFNEndpoint(WindowEndpoint):
         routed_at = shared_at = 0
         for received in entry[1]:
             sent = received.header
-            rows, shared = sent.routed_rows, sent.shared_rows
+            rows, shared = received.part.num_reply_rows, sent.shared_rows
             view = self._outbox[sent.src_rank][received.ring]
             if rows:
                 view.routed_rows[:rows].copy_(routed_out[routed_at : routed_at + rows])
@@ -240,6 +260,7 @@ class WindowFFNEndpoint(WindowEndpoint):
                 shared_rows=shared,
                 seq=self._transport.sequence.next(),
                 answer_seq=sent.seq,
+                flags=self._reply_flags if sent.rows_per_token else 0,
                 expert_counts=sent.expert_counts,
             )
             self._write_and_publish(view, header, sent.src_rank, received.ring)

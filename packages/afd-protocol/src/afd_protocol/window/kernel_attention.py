@@ -20,6 +20,7 @@ import torch
 from afd_protocol.core.endpoints import EndpointOptions
 from afd_protocol.core.errors import InvalidArgument
 from afd_protocol.core.header import HEADER_FIXED_WORDS, encode_words
+from afd_protocol.core.layout import CombineReduce
 from afd_protocol.core.plan import (
     DevicePlan,
     DispatchPlan,
@@ -49,7 +50,8 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         super()._setup()
         kernels = self._kernels
         transport = self._transport
-        self._fused = self.options.combine != "portable"
+        # Replies reduced on the FFN side need no weighting: the portable sum is all there is.
+        self._fused = self.options.combine != "portable" and not self._reduced_replies_layout()
         self._pack = kernels.device_pack if self.options.device_pack else None
         device = transport.device
         ffn_ranks = range(self._topology.num_ffn_ranks)
@@ -83,6 +85,19 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 f"device_pack=True, but the kernels of {type(self._transport).__name__} have no "
                 f"device pack; use device_pack=False"
             )
+        if self.options.device_pack and self._slot.per_rank:
+            raise InvalidArgument(
+                "device_pack=True packs the per_choice wire format only (the per_rank pack is "
+                "not written yet); use device_pack=False or wire_format='per_choice'"
+            )
+        if self.options.combine == "fused" and self._reduced_replies_layout():
+            raise InvalidArgument(
+                "combine='fused' weights per-partial replies, but with combine_reduce='ffn' "
+                "the FFN side already did; use combine='auto' or 'portable'"
+            )
+
+    def _reduced_replies_layout(self) -> bool:
+        return self._slot.per_rank and self._slot.combine_reduce is CombineReduce.FFN
 
     def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
         if self._packs_on_device(topk_ids):

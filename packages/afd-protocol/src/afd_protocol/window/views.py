@@ -28,6 +28,11 @@ class SlotView:
     """int32 ``[header_words]``."""
     route_index: torch.Tensor
     """int32 ``[routed_cap]``: source token of each routed row (written on dispatch)."""
+    route_ids: torch.Tensor
+    """int32 ``[token_cap, k]`` (``per_rank``; ``[0, k]`` otherwise): local expert ids of
+    each token row, -1 where the choice is on another FFN rank."""
+    route_weights: torch.Tensor
+    """float32 ``[token_cap, k]`` (``per_rank``): the routing weights beside ``route_ids``."""
     routed_rows: torch.Tensor
     """``[routed_cap, H]`` in the activation dtype."""
     shared_rows: torch.Tensor
@@ -55,9 +60,14 @@ def slot_view(window: torch.Tensor, layout: WindowLayout, region: int, ring: int
     def words(name: str, dtype: torch.dtype) -> torch.Tensor:
         return _field(window, base, slot.field(name)).view(dtype)
 
+    def table(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return words(name, dtype).view(slot.field(name).shape)
+
     return SlotView(
         header=words("header", torch.int32),
         route_index=words("route_index", torch.int32),
+        route_ids=table("route_ids", torch.int32),
+        route_weights=table("route_weights", torch.float32),
         routed_rows=rows("routed_rows"),
         shared_rows=rows("shared_rows"),
         routed_scales=words("routed_scales", torch.float32),
