@@ -70,6 +70,22 @@ def main(folder: str) -> int:
     else:
         rows.append(("bench", "(no benchmark json)", "FAIL"))
         failed += 1
+    formats = root / "loopback-formats.json"
+    if formats.exists():
+        for name, by_tokens in json.loads(formats.read_text()).items():
+            for tokens, r in by_tokens.items():
+                rows.append(
+                    (
+                        "1-GPU loop",
+                        f"{name} {tokens} tokens",
+                        f"{r['layer_ms_p50']:.3f} ms (p10-p90 {r['layer_ms_p10']:.3f}-"
+                        f"{r['layer_ms_p90']:.3f}), {r['bytes'] / 1e6:.1f} MB, dispatch() "
+                        f"{r['dispatch_host_us_p50']:.0f} us host",
+                    )
+                )
+    else:
+        rows.append(("1-GPU loop", "(no loopback-formats.json)", "FAIL"))
+        failed += 1
     width = max(len(r[1]) for r in rows)
     print("\nGPU suite summary")
     for kind, name, outcome in rows:

@@ -59,3 +59,40 @@ def test_packed_dispatch_and_fused_combine_on_one_gpu(shared: str) -> None:
     serving.drain(ffns, poll=0.01)
     with pytest.raises(InvalidArgument, match="expert id 40"):
         attention.combine(handle)
+
+
+@pytest.mark.parametrize("reduce", ["attention", "ffn"])
+def test_per_rank_rows_through_the_kernel_endpoint_on_one_gpu(reduce: str) -> None:
+    """per_rank over CUDA windows: per-partial replies take the fused Triton combine, replies
+    reduced on the FFN side the portable sum; both equal the float64 reference."""
+    hidden = 128
+    topo = Topology(1, 3, 12)
+    layout = SlotLayout(
+        topo,
+        hidden,
+        64,
+        4,
+        dtype="bfloat16",
+        shared_placement="ffn",
+        wire_format="per_rank",
+        combine_reduce=reduce,
+    )
+    from afd_transport_nvshmem.kernels import triton_kernels
+
+    world = LoopbackWorld(layout.window(ring_depth=2), device="cuda")
+    options = WindowOptions(timeout=0.5)
+    attention = KernelAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), options, triton_kernels()
+    )
+    ffns = [world.transport(Role.FFN, r).ffn_endpoint(options) for r in range(3)]
+    experts = LinearExperts(2, 12, hidden, seed=5)
+    serving = LinearExperts(2, 12, hidden, seed=5).to("cuda")
+    gen = torch.Generator().manual_seed(6)
+    for layer, tokens in ((0, 64), (1, 7)):
+        x, ids, w = random_routing(tokens, hidden, 4, list(range(12)), gen, torch.bfloat16)
+        handle = attention.dispatch(layer, x.cuda(), ids.cuda(), w.cuda())
+        serving.drain(ffns, poll=0.01)
+        out = attention.combine(handle)
+        assert out.device.type == "cuda"
+        error = relative_error(out, experts.reference(layer, x, ids, w, True))
+        assert error <= 2e-2, (reduce, layer, error)

@@ -86,6 +86,7 @@ def test_triton_device_pack_matches_the_reference(
         plan_on_device,
     )
     from afd_protocol.window import PackInputs, reference_device_pack
+    from afd_protocol.window.kernels import crc_tables
     from afd_transport_nvshmem.device_pack import triton_device_pack
 
     experts, topk = 16, 4
@@ -114,6 +115,7 @@ def test_triton_device_pack_matches_the_reference(
         fixed += encode_words(header)[:HEADER_FIXED_WORDS]
     fixed_words = torch.tensor(fixed, dtype=torch.int32).view(ffn, -1).cuda()
     cap = tokens * topk
+    crc_base, crc_columns = crc_tables(topo.expert_placement, torch.device("cuda"))
     outputs = []
     for pack in (reference_device_pack, triton_device_pack):
         rows = tuple(
@@ -130,6 +132,8 @@ def test_triton_device_pack_matches_the_reference(
                 routed_rows=rows,
                 route_index=index,
                 headers=headers,
+                crc_base=crc_base,
+                crc_columns=crc_columns,
             )
         )
         outputs.append((rows, index, headers))
@@ -138,7 +142,7 @@ def test_triton_device_pack_matches_the_reference(
         assert torch.equal(rows[d], want_rows[d])
         assert torch.equal(index[d], want_index[d])
         assert torch.equal(headers[d], want_headers[d])
-        decoded = decode_header(headers[d].cpu())
+        decoded = decode_header(headers[d].cpu())  # the CRC the kernel computed checks out
         assert decoded.seq == 10 + d
         assert decoded.routed_rows == sum(decoded.expert_counts)
     routed = [decode_header(h.cpu()).routed_rows for h in headers]

@@ -76,10 +76,10 @@ class WorkItemPart:
 
     @functools.cached_property
     def _expansion(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``per_rank``: the token row and the weight of every partial, grouped by local
-        expert (a stable sort, so token order within an expert, as ``per_choice`` sends)."""
+        """``per_rank``: for every partial, grouped by local expert (a stable sort, so in token
+        order within an expert, as ``per_choice`` sends), its flat ``(row, choice)`` index
+        ``row * k + j`` and its token row."""
         assert self.route_ids is not None
-        assert self.route_weights is not None
         topk = self.route_ids.shape[1]
         ids = self.route_ids.reshape(-1).long()
         num_local = self.group_list.numel()
@@ -89,8 +89,7 @@ class WorkItemPart:
         if partials is None:
             partials = int((ids >= 0).sum())
         order = order[:partials]
-        rows = torch.div(order, topk, rounding_mode="floor")
-        return rows, self.route_weights.reshape(-1).index_select(0, order)
+        return order, torch.div(order, topk, rounding_mode="floor")
 
     def grouped(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows [P, H], group_list)``: one row per partial, grouped by local expert.
@@ -99,23 +98,32 @@ class WorkItemPart:
         """
         if self.route_ids is None:
             return self.routed_rows, self.group_list
-        rows, _ = self._expansion
+        _, rows = self._expansion
         return self.routed_rows.index_select(0, rows), self.group_list
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         """This part's reply rows from ``out [P, H]``, the expert outputs of ``grouped()``'s rows.
 
         Unchanged unless the FFN side reduces: then each token row's partials are weighted
-        and summed in fp32 and returned in ``out``'s dtype, one row per token row.
+        and summed in fp32 and returned in ``out``'s dtype, one row per token row. The sum
+        is a batched ``[1, k] x [k, H]`` product per row over the partials placed at their
+        ``(row, choice)`` slots (zero where the choice is on another rank): no atomics, so
+        deterministic on every device.
         """
         if not self.reduce_on_ffn:
             return out
-        rows, weights = self._expansion
-        reduced = torch.zeros(
-            self.routed_rows.shape[0], out.shape[1], dtype=torch.float32, device=out.device
+        assert self.route_ids is not None
+        assert self.route_weights is not None
+        order, _ = self._expansion
+        rows, topk = self.route_ids.shape
+        hidden = out.shape[1]
+        slots = torch.zeros(rows * topk, hidden, dtype=torch.float32, device=out.device)
+        slots.index_copy_(0, order.to(out.device), out.float())
+        weights = self.route_weights.to(out.device, torch.float32).masked_fill(
+            self.route_ids.to(out.device) < 0, 0.0
         )
-        reduced.index_add_(0, rows.to(out.device), out.float() * weights.to(out.device)[:, None])
-        return reduced.to(out.dtype)
+        reduced = torch.bmm(weights.unsqueeze(1), slots.view(rows, topk, hidden))
+        return reduced.squeeze(1).to(out.dtype)
 
 
 @dataclass(frozen=True)
