@@ -80,7 +80,8 @@ def main(folder: str) -> int:
                         f"{name} {tokens} tokens",
                         f"{r['layer_ms_p50']:.3f} ms (p10-p90 {r['layer_ms_p10']:.3f}-"
                         f"{r['layer_ms_p90']:.3f}), {r['bytes'] / 1e6:.1f} MB, dispatch() "
-                        f"{r['dispatch_host_us_p50']:.0f} us host",
+                        f"{r['dispatch_host_us_p50']:.0f} us host; behind compute "
+                        f"{r.get('exposed_ms_p50', float('nan')):.3f} ms exposed",
                     )
                 )
     else:

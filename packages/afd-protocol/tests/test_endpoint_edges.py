@@ -197,9 +197,9 @@ def test_dispatch_after_shutdown_and_kernel_options_without_kernels_are_refused(
     with pytest.raises(
         InvalidArgument,
         match=exactly(
-            "combine='fused', device_pack=False need device kernels, which this "
+            "combine='fused', device_pack=None need device kernels, which this "
             "LoopbackTransport does not offer; use the defaults (combine='auto', "
-            "device_pack=False)"
+            "device_pack=None)"
         ),
     ):
         transport.attention_endpoint(WindowOptions(combine="fused"))

@@ -605,21 +605,32 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
     assert attention.in_flight == 0  # the ring came back
 
 
-def test_device_pack_is_opt_in_and_needs_kernels_that_have_one() -> None:
+def test_device_pack_is_the_default_where_the_kernels_have_one() -> None:
     world = make_world(a=1, f=3, experts=7)
     experts = linear_experts(world)
     ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
-    counting = CountingKernels()
-    attention = kernel_endpoint(world, counting)  # the defaults: fused combine, no pack
     x, ids, w = route(5, 3, list(range(7)), 26)
-    handle = attention.dispatch(0, x, ids, w)
-    drain(ffns, experts)
-    attention.combine(handle)
-    assert (counting.packs, counting.combines) == (0, 1)
-    attention.close()
+    expected = experts.reference(0, x, ids, w, False)
+    cases = [
+        ({}, CountingKernels(), (1, 1)),  # the defaults: packed, fused combine
+        ({"device_pack": False}, CountingKernels(), (0, 1)),  # planned on the host
+        ({"combine": "portable"}, CountingKernels(), (0, 0)),  # no kernel at all
+        ({}, CountingKernels(device_pack=False), (0, 1)),  # kernels without a pack
+    ]
+    for options, counting, calls in cases:
+        attention = kernel_endpoint(world, counting, **options)
+        handle = attention.dispatch(0, x, ids, w)
+        drain(ffns, experts)
+        out = attention.combine(handle)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+        assert (counting.packs, counting.combines) == calls, options
+        attention.close()
     with pytest.raises(InvalidArgument, match="have no device pack"):
         kernel_endpoint(world, CountingKernels(device_pack=False), device_pack=True)
+    with pytest.raises(InvalidArgument, match="device_pack must be None \\(auto\\), True or"):
+        WindowOptions(device_pack="yes")  # type: ignore[arg-type]
     plain = world.transport(Role.ATTENTION, 0)  # no kernels at all
+    plain.attention_endpoint(FAST).close()  # the defaults need none
     for options in (WindowOptions(device_pack=True), WindowOptions(combine="fused")):
         with pytest.raises(InvalidArgument, match="need device kernels"):
             plain.attention_endpoint(options)

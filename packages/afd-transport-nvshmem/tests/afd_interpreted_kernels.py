@@ -1,5 +1,6 @@
 """Run the Triton kernels of the transport on the CPU through Triton's interpreter and compare
-them with the torch references of afd_protocol.window.kernels (run by
+them with the torch references of afd_protocol.window.kernels and afd_protocol's
+reference_reduce_partials, and the per_rank pack also with the host plan (run by
 test_kernels_interpreted.py in a subprocess with TRITON_INTERPRET=1; the variable must be set
 before Triton compiles anything, so it cannot share the test process)."""
 
@@ -11,20 +12,25 @@ import sys
 import torch
 
 from afd_protocol import (
+    FLAG_ROWS_PER_TOKEN,
     HEADER_FIXED_WORDS,
     ExpertPlacement,
     Header,
     MessageKind,
+    PartialsToReduce,
     SharedPlacement,
     Topology,
+    WireFormat,
     decode_header,
     encode_words,
     plan_dispatch,
     plan_on_device,
+    reference_reduce_partials,
 )
 from afd_protocol.window import (
     CombineInputs,
     PackInputs,
+    TokenRowInputs,
     reference_device_pack,
     reference_fused_combine,
 )
@@ -37,19 +43,37 @@ def routing(tokens: int, experts: int, topk: int, gen: torch.Generator) -> torch
     return torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
 
 
-def check_pack(topo: Topology, tokens: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+def check_pack(
+    topo: Topology,
+    tokens: int,
+    hidden: int,
+    topk: int,
+    dtype: torch.dtype,
+    wire_format: WireFormat = WireFormat.PER_CHOICE,
+) -> None:
     from afd_transport_nvshmem.device_pack import triton_device_pack
 
     gen = torch.Generator().manual_seed(tokens * 31 + topo.num_ffn_ranks)
     ids = routing(tokens, topo.num_experts, topk, gen)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    plan = plan_on_device(ids, topo, SharedPlacement.ATTENTION)
+    weights = torch.rand(tokens, topk, generator=gen).to(dtype)
+    per_rank = wire_format is WireFormat.PER_RANK
+    plan = plan_on_device(ids, topo, SharedPlacement.ATTENTION, wire_format)
     ffn = topo.num_ffn_ranks
     fixed = []
     for d in range(ffn):
         counts = (0,) * len(topo.local_experts(d))
         header = Header(
-            MessageKind.DISPATCH, 0, 5, 1, tokens, 0, 0, seq=10 + d, expert_counts=counts
+            MessageKind.DISPATCH,
+            0,
+            5,
+            1,
+            tokens,
+            0,
+            0,
+            seq=10 + d,
+            flags=FLAG_ROWS_PER_TOKEN if per_rank else 0,
+            expert_counts=counts,
         )
         fixed += encode_words(header)[:HEADER_FIXED_WORDS]
     fixed_words = torch.tensor(fixed, dtype=torch.int32).view(ffn, -1)
@@ -62,6 +86,17 @@ def check_pack(topo: Topology, tokens: int, hidden: int, topk: int, dtype: torch
         headers = tuple(
             torch.full((HEADER_FIXED_WORDS + 64,), -1, dtype=torch.int32) for _ in range(ffn)
         )
+        token_rows = None
+        if per_rank:
+            placement = topo.expert_placement
+            token_rows = TokenRowInputs(
+                topk_ids=ids,
+                topk_weights=weights,
+                expert_owner=torch.tensor(placement.owner, dtype=torch.int32),
+                expert_local_id=torch.tensor(placement.local_id, dtype=torch.int32),
+                route_ids=tuple(torch.full((cap, topk), 7, dtype=torch.int32) for _ in range(ffn)),
+                route_weights=tuple(torch.full((cap, topk), -2.0) for _ in range(ffn)),
+            )
         pack(
             PackInputs(
                 hidden=x,
@@ -73,17 +108,32 @@ def check_pack(topo: Topology, tokens: int, hidden: int, topk: int, dtype: torch
                 headers=headers,
                 crc_base=base,
                 crc_columns=columns,
+                token_row_inputs=token_rows,
             )
         )
-        results.append((rows, index, headers))
+        extra = () if token_rows is None else (token_rows.route_ids, token_rows.route_weights)
+        results.append((rows, index, headers, *extra))
     for expected, got in zip(*results, strict=True):
         for a, b in zip(expected, got, strict=True):
             assert torch.equal(a, b), (topo, tokens, a, b)
-    host = plan_dispatch(ids, topo)
+    host = plan_dispatch(ids, topo, wire_format=wire_format)
     for d, words in enumerate(results[1][2]):
         decoded = decode_header(words)  # the device-computed CRC checks out
         assert decoded.expert_counts == host.host_group_list(d)
-        assert decoded.routed_rows == host.routed_rows(d)
+        if not per_rank:
+            assert decoded.routed_rows == host.routed_rows(d)
+            continue
+        # Against the host plan, an independent computation of the same rows.
+        n = host.rank_rows(d)
+        assert decoded.routed_rows == n
+        assert host.rank_tokens is not None
+        assert host.rank_local_ids is not None
+        segment = host.rank_segment(d)
+        _, index, _, route_ids, route_weights = results[1]
+        assert torch.equal(index[d][:n].long(), host.rank_tokens[segment])
+        assert torch.equal(results[1][0][d][:n], x[host.rank_tokens[segment]])
+        assert torch.equal(route_ids[d][:n], host.rank_local_ids[segment])
+        assert torch.equal(route_weights[d][:n], host.rank_weights(weights)[segment])
 
 
 def check_combine(topo: Topology, tokens: int, hidden: int, topk: int, shared: bool) -> None:
@@ -110,6 +160,67 @@ def check_combine(topo: Topology, tokens: int, hidden: int, topk: int, shared: b
     )
 
 
+def check_reduced_combine(topo: Topology, tokens: int, hidden: int, topk: int) -> None:
+    """The fused combine of replies reduced on the FFN side: one unit-weight position per
+    (token, FFN rank), -1 where the token sent nothing there (skipped, even over NaN)."""
+    from afd_transport_nvshmem.fused_combine import triton_fused_combine
+
+    gen = torch.Generator().manual_seed(tokens * 5 + hidden)
+    ids = routing(tokens, topo.num_experts, topk, gen)
+    plan = plan_on_device(ids, topo, SharedPlacement.ATTENTION, WireFormat.PER_RANK)
+    assert plan.token_rows is not None
+    assert plan.token_row_offsets is not None
+    ffn = topo.num_ffn_ranks
+    stride = (tokens + 1) * hidden
+    rows = torch.full((ffn * stride,), float("nan"))
+    offsets = plan.token_row_offsets.tolist()
+    for d in range(ffn):
+        n = offsets[d + 1] - offsets[d]
+        rows[d * stride : d * stride + n * hidden] = torch.randn(n * hidden, generator=gen)
+    inputs = CombineInputs(
+        rows=rows,
+        routed_starts=torch.arange(ffn) * stride,
+        shared_starts=None,
+        segment_offsets=plan.token_row_offsets,
+        wire_position=plan.token_row_positions,
+        topk_weights=torch.ones(tokens, ffn),
+        hidden_size=hidden,
+        out_dtype=torch.float32,
+    )
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for d in range(ffn):
+            row = int(plan.token_rows[t, d])
+            if row >= 0:
+                expected[t] += rows[d * stride + row * hidden :][:hidden].double()
+    reference = reference_fused_combine(inputs)
+    torch.testing.assert_close(reference.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(triton_fused_combine(inputs), reference, rtol=1e-5, atol=1e-5)
+
+
+def check_reduce(rows: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
+    from afd_transport_nvshmem.reduce_partials import triton_reduce_partials
+
+    gen = torch.Generator().manual_seed(rows * 3 + topk)
+    owned = torch.rand(rows, topk, generator=gen) < 0.5
+    owned[:, 0] |= ~owned.any(dim=1)  # every row has at least one partial here
+    route_ids = torch.where(owned, torch.randint(0, 4, (rows, topk), generator=gen), -1)
+    slots = torch.nonzero(owned.reshape(-1)).squeeze(1)
+    slots = slots[torch.randperm(slots.numel(), generator=gen)]  # any expansion order
+    inputs = PartialsToReduce(
+        out=torch.randn(slots.numel(), hidden, generator=gen).to(dtype),
+        slots=slots,
+        route_ids=route_ids.to(torch.int32),
+        route_weights=torch.rand(rows, topk, generator=gen),
+    )
+    got = triton_reduce_partials(inputs)
+    assert got.dtype == dtype
+    assert got.shape == (rows, hidden)
+    torch.testing.assert_close(
+        got.float(), reference_reduce_partials(inputs).float(), rtol=1e-2, atol=1e-2
+    )
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     uneven = Topology(1, 3, 10, placement=ExpertPlacement.contiguous(10, 3))  # 4 + 3 + 3
@@ -119,9 +230,20 @@ def main() -> int:
             for dtype in (torch.float32, torch.bfloat16):
                 check_pack(topo, tokens, 48, min(4, topo.num_experts), dtype)
                 cases += 1
+            # The per_choice cases cover both dtypes; here the one a GPU carries.
+            check_pack(
+                topo, tokens, 48, min(4, topo.num_experts), torch.bfloat16, WireFormat.PER_RANK
+            )
+            cases += 1
             for shared in (False, True):
                 check_combine(topo, tokens, 70, min(3, topo.num_experts), shared)
                 cases += 1
+            check_reduced_combine(topo, tokens, 40, min(3, topo.num_experts))
+            cases += 1
+    for rows, hidden, topk in ((1, 16, 1), (9, 70, 6), (33, 48, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            check_reduce(rows, hidden, topk, dtype)
+            cases += 1
     print(f"{cases} interpreted kernel cases match their references")
     return 0
 

@@ -16,7 +16,12 @@ from afd_protocol import (
     relative_error,
 )
 from afd_protocol.testing import LinearExperts, random_routing
-from afd_protocol.window import KernelAttentionEndpoint, LoopbackWorld, WindowOptions
+from afd_protocol.window import (
+    KernelAttentionEndpoint,
+    LoopbackWorld,
+    WindowFFNEndpoint,
+    WindowOptions,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,10 +66,15 @@ def test_packed_dispatch_and_fused_combine_on_one_gpu(shared: str) -> None:
         attention.combine(handle)
 
 
+@pytest.mark.parametrize("device_pack", [False, True])
 @pytest.mark.parametrize("reduce", ["attention", "ffn"])
-def test_per_rank_rows_through_the_kernel_endpoint_on_one_gpu(reduce: str) -> None:
-    """per_rank over CUDA windows: per-partial replies take the fused Triton combine, replies
-    reduced on the FFN side the portable sum; both equal the float64 reference."""
+def test_per_rank_rows_through_the_kernel_endpoints_on_one_gpu(
+    reduce: str, device_pack: bool
+) -> None:
+    """per_rank over CUDA windows, planned on the host or packed on the device (token rows,
+    ids, weights, headers by the Triton pack), the FFN side reducing with the Triton reduce:
+    every path equals the float64 reference, and a packed dispatch() never synchronises
+    with the device."""
     hidden = 128
     topo = Topology(1, 3, 12)
     layout = SlotLayout(
@@ -80,19 +90,30 @@ def test_per_rank_rows_through_the_kernel_endpoint_on_one_gpu(reduce: str) -> No
     from afd_transport_nvshmem.kernels import triton_kernels
 
     world = LoopbackWorld(layout.window(ring_depth=2), device="cuda")
-    options = WindowOptions(timeout=0.5)
-    attention = KernelAttentionEndpoint(
-        world.transport(Role.ATTENTION, 0), options, triton_kernels()
-    )
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(options) for r in range(3)]
+    options = WindowOptions(timeout=0.5, device_pack=device_pack)
+    kernels = triton_kernels()
+    attention = KernelAttentionEndpoint(world.transport(Role.ATTENTION, 0), options, kernels)
+    ffn_options = WindowOptions(timeout=0.5)
+    ffns = [WindowFFNEndpoint(world.transport(Role.FFN, r), ffn_options, kernels) for r in range(3)]
     experts = LinearExperts(2, 12, hidden, seed=5)
     serving = LinearExperts(2, 12, hidden, seed=5).to("cuda")
     gen = torch.Generator().manual_seed(6)
-    for layer, tokens in ((0, 64), (1, 7)):
+    for step, (layer, tokens) in enumerate(((0, 64), (1, 7), (0, 1))):
         x, ids, w = random_routing(tokens, hidden, 4, list(range(12)), gen, torch.bfloat16)
-        handle = attention.dispatch(layer, x.cuda(), ids.cuda(), w.cuda())
+        x, ids, w = x.cuda(), ids.cuda(), w.cuda()
+        torch.cuda.synchronize()
+        if device_pack and reduce == "ffn" and step > 0:
+            # Reduced on the FFN side, every batch packs: no host read of the counts (after
+            # the first dispatch, which builds the cached address tables once).
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = attention.dispatch(layer, x, ids, w)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        packed = isinstance(handle.plan, DevicePlan)
+        assert packed == (device_pack and layout.slot_rows(tokens * 4, tokens) <= layout.routed_cap)
         serving.drain(ffns, poll=0.01)
         out = attention.combine(handle)
         assert out.device.type == "cuda"
-        error = relative_error(out, experts.reference(layer, x, ids, w, True))
-        assert error <= 2e-2, (reduce, layer, error)
+        error = relative_error(out, experts.reference(layer, x.cpu(), ids.cpu(), w.cpu(), True))
+        assert error <= 2e-2, (reduce, device_pack, layer, error)

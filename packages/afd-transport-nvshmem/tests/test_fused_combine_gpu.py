@@ -149,3 +149,31 @@ def test_triton_device_pack_matches_the_reference(
     assert sum(routed) == tokens * topk
     if only_first:
         assert routed[1:] == [0] * (ffn - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden", "topk"), [(1, 64, 1), (37, 2048, 6), (1000, 7168, 8)])
+def test_triton_ffn_side_reduce_matches_the_reference(
+    rows: int, hidden: int, topk: int, dtype: torch.dtype
+) -> None:
+    from afd_protocol import PartialsToReduce, reference_reduce_partials
+    from afd_transport_nvshmem.reduce_partials import triton_reduce_partials
+
+    gen = torch.Generator().manual_seed(rows + hidden + topk)
+    owned = torch.rand(rows, topk, generator=gen) < 0.6
+    owned[:, 0] |= ~owned.any(dim=1)
+    route_ids = torch.where(owned, torch.randint(0, 8, (rows, topk), generator=gen), -1)
+    slots = torch.nonzero(owned.reshape(-1)).squeeze(1)
+    slots = slots[torch.randperm(slots.numel(), generator=gen)]
+    inputs = PartialsToReduce(
+        out=torch.randn(slots.numel(), hidden, generator=gen).to(dtype).cuda(),
+        slots=slots.cuda(),
+        route_ids=route_ids.to(torch.int32).cuda(),
+        route_weights=torch.rand(rows, topk, generator=gen).cuda(),
+    )
+    got = triton_reduce_partials(inputs)
+    want = reference_reduce_partials(inputs)
+    assert got.dtype == dtype
+    assert got.shape == (rows, hidden)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)

@@ -16,7 +16,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from afd_protocol import HEADER_FIXED_WORDS, Word  # noqa: E402
-from afd_transport_nvshmem import device_pack, device_wait, fused_combine  # noqa: E402
+from afd_transport_nvshmem import (  # noqa: E402
+    device_pack,
+    device_wait,
+    fused_combine,
+    reduce_partials,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -113,4 +118,42 @@ def test_the_device_pack_compiles(dtype: str) -> None:
             "CHECKSUM_WORD": int(Word.CHECKSUM),
             "COUNTS": device_pack.COUNT_BLOCK,
         },
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_per_rank_pack_compiles(dtype: str) -> None:
+    _compile(
+        device_pack._pack_token_rows_kernel,
+        {
+            "hidden": f"*{dtype}",
+            "token_rows": "*i64",
+            "topk_ids": "*i64",
+            "topk_weights": f"*{dtype}",
+            "expert_owner": "*i32",
+            "expert_local_id": "*i32",
+            "rows_at": "*i64",
+            "index_at": "*i64",
+            "ids_at": "*i64",
+            "weights_at": "*i64",
+            "num_tokens": "i32",
+            "hidden_size": "i32",
+            "num_experts": "i32",
+        },
+        {"NUM_FFN": 2, "TOPK": 6, "TOPK_BLOCK": 8, "ROWS": device_pack.ROWS, "BLOCK": 1024},
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_ffn_side_reduce_compiles(dtype: str) -> None:
+    _compile(
+        reduce_partials._reduce_partials_kernel,
+        {
+            "out": f"*{dtype}",
+            "partial_of_slot": "*i64",
+            "route_weights": "*fp32",
+            "reduced": f"*{dtype}",
+            "hidden": "i32",
+        },
+        {"TOPK": 8, "BLOCK": 1024},
     )

@@ -1,5 +1,6 @@
-"""The Triton kernels run on the CPU in CI: Triton's interpreter executes the device pack and
-the fused combine, checked against the torch references (the GPU tests check the compiled
+"""The Triton kernels run on the CPU in CI: Triton's interpreter executes the device pack (both
+wire formats), the fused combine (per-partial and reduced replies) and the FFN-side reduce,
+checked against the torch references (the GPU tests check the compiled
 kernels the same way)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ pytest.importorskip("triton")
 pytest.importorskip("numpy")  # the interpreter runs on NumPy
 
 
-def test_device_pack_and_fused_combine_match_their_references_in_the_interpreter() -> None:
+def test_every_triton_kernel_matches_its_reference_in_the_interpreter() -> None:
     script = Path(__file__).with_name("afd_interpreted_kernels.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(

@@ -93,7 +93,14 @@ from afd_protocol.core.rendezvous import (
 from afd_protocol.core.serving import Compute, ItemRecord, ServeStats, serve
 from afd_protocol.core.tensors import constant_index, relative_error, torch_dtype
 from afd_protocol.core.topology import ExpertPlacement, Role, Topology
-from afd_protocol.core.workitem import WorkItem, WorkItemKey, WorkItemPart
+from afd_protocol.core.workitem import (
+    PartialsReduce,
+    PartialsToReduce,
+    WorkItem,
+    WorkItemKey,
+    WorkItemPart,
+    reference_reduce_partials,
+)
 
 try:
     __version__ = version("afd-protocol")
@@ -130,6 +137,8 @@ __all__ = [
     "ItemRecord",
     "KeyValueStore",
     "MessageKind",
+    "PartialsReduce",
+    "PartialsToReduce",
     "PeerAborted",
     "PeerRecord",
     "PeerTimeout",
@@ -165,6 +174,7 @@ __all__ = [
     "next_seq",
     "plan_dispatch",
     "plan_on_device",
+    "reference_reduce_partials",
     "relative_error",
     "serve",
     "torch_dtype",

@@ -7,6 +7,12 @@ FFN rank from the segment bounds (on the device), and copies the source token's 
 state straight into that rank's window -- a gather-and-write over NVLink for every
 destination in one launch -- plus the row's source token (first column tile only).
 
+``_pack_token_rows_kernel`` (the ``per_rank`` format): one program per tile of tokens
+and columns loads the tokens' hidden states once and writes them into every FFN rank
+where the plan placed them (``token_rows[t, d] >= 0``), and, from the first column tile,
+each row's source token, local expert ids (-1 for a choice on another rank) and fp32
+weights (0 there).
+
 ``_pack_headers_kernel``: one program per FFN rank completes its header: ROUTED_ROWS from
 the segment bounds, the rank's expert counts, and the CRC-32 checksum of
 :func:`afd_protocol.core.header.checksum`, computed in parallel from its linear form: the
@@ -20,11 +26,12 @@ with no common base), built once per set of views and cached.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from afd_protocol import HEADER_FIXED_WORDS, Word, constant_index
-from afd_protocol.window import PackInputs
+from afd_protocol.window import PackInputs, TokenRowInputs
 
 ROWS = 4
 BLOCK_H = 1024
@@ -60,6 +67,65 @@ def _pack_rows_kernel(
     if tl.program_id(1) == 0:
         index_base = tl.load(index_at + dest, mask=live, other=0).to(tl.pointer_type(tl.int32))
         tl.store(index_base + row, token.to(tl.int32), mask=live)
+
+
+@triton.jit
+def _pack_token_rows_kernel(
+    hidden,
+    token_rows,
+    topk_ids,
+    topk_weights,
+    expert_owner,
+    expert_local_id,
+    rows_at,
+    index_at,
+    ids_at,
+    weights_at,
+    num_tokens,
+    hidden_size,
+    num_experts,
+    NUM_FFN: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = token < num_tokens
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    take = live[:, None] & (columns < hidden_size)[None, :]
+    values = tl.load(hidden + token[:, None] * hidden_size + columns[None, :], mask=take)
+    choices = tl.arange(0, TOPK_BLOCK)
+    in_k = live[:, None] & (choices < TOPK)[None, :]
+    first_tile = tl.program_id(1) == 0
+    # A few words per token, loaded by every column tile (Triton keeps no value defined
+    # under a runtime branch); only the first tile stores them.
+    chosen = tl.load(topk_ids + token[:, None] * TOPK + choices[None, :], mask=in_k, other=0)
+    chosen = tl.minimum(tl.maximum(chosen.to(tl.int64), 0), num_experts - 1)
+    owner = tl.load(expert_owner + chosen, mask=in_k, other=-1)
+    local = tl.load(expert_local_id + chosen, mask=in_k, other=-1)
+    weight = tl.load(
+        topk_weights + token[:, None] * TOPK + choices[None, :], mask=in_k, other=0.0
+    ).to(tl.float32)
+    for dest in tl.static_range(NUM_FFN):
+        row = tl.load(token_rows + token * NUM_FFN + dest, mask=live, other=-1)
+        sent = row >= 0
+        base = tl.load(rows_at + dest).to(tl.pointer_type(values.dtype))
+        tl.store(
+            base + (row * hidden_size)[:, None] + columns[None, :],
+            values,
+            mask=take & sent[:, None],
+        )
+        if first_tile:
+            index_base = tl.load(index_at + dest).to(tl.pointer_type(tl.int32))
+            tl.store(index_base + row, token.to(tl.int32), mask=sent)
+            here = owner == dest
+            at = (row * TOPK)[:, None] + choices[None, :]
+            put = in_k & sent[:, None]
+            ids_base = tl.load(ids_at + dest).to(tl.pointer_type(tl.int32))
+            tl.store(ids_base + at, tl.where(here, local, -1).to(tl.int32), mask=put)
+            weights_base = tl.load(weights_at + dest).to(tl.pointer_type(tl.float32))
+            tl.store(weights_base + at, tl.where(here, weight, 0.0), mask=put)
 
 
 @triton.jit
@@ -119,7 +185,10 @@ def triton_device_pack(inputs: PackInputs) -> None:
     num_ffn = len(inputs.headers)
     total = plan.row_token.numel()
     hidden_size = hidden.shape[1]
-    if total:
+    if inputs.token_row_inputs is not None:
+        if plan.num_tokens:
+            _pack_token_rows(inputs, inputs.token_row_inputs, hidden)
+    elif total:
         rows_at = constant_index(tuple(t.data_ptr() for t in inputs.routed_rows), device)
         index_at = constant_index(tuple(t.data_ptr() for t in inputs.route_index), device)
         block = min(BLOCK_H, triton.next_power_of_2(hidden_size))
@@ -139,7 +208,7 @@ def triton_device_pack(inputs: PackInputs) -> None:
     _pack_headers_kernel[(num_ffn,)](
         inputs.fixed_words,
         plan.expert_counts,
-        plan.segment_offsets,
+        inputs.row_offsets,
         constant_index(inputs.rank_wire_offsets, device),
         constant_index(tuple(t.data_ptr() for t in inputs.headers), device),
         inputs.crc_base,
@@ -150,4 +219,38 @@ def triton_device_pack(inputs: PackInputs) -> None:
         ROUTED_WORD=int(Word.ROUTED_ROWS),
         CHECKSUM_WORD=int(Word.CHECKSUM),
         COUNTS=COUNT_BLOCK,
+    )
+
+
+def _pack_token_rows(inputs: PackInputs, extra: TokenRowInputs, hidden: torch.Tensor) -> None:
+    """The ``per_rank`` rows: ``_pack_token_rows_kernel`` over every token."""
+    plan = inputs.plan
+    assert plan.token_rows is not None
+    device = hidden.device
+    num_tokens, hidden_size = hidden.shape
+    topk = extra.topk_ids.shape[1]
+
+    def addresses(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return constant_index(tuple(t.data_ptr() for t in tensors), device)
+
+    block = min(BLOCK_H, triton.next_power_of_2(hidden_size))
+    _pack_token_rows_kernel[(triton.cdiv(num_tokens, ROWS), triton.cdiv(hidden_size, block))](
+        hidden,
+        plan.token_rows.contiguous(),
+        extra.topk_ids.contiguous(),
+        extra.topk_weights.contiguous(),
+        extra.expert_owner,
+        extra.expert_local_id,
+        addresses(inputs.routed_rows),
+        addresses(inputs.route_index),
+        addresses(extra.route_ids),
+        addresses(extra.route_weights),
+        num_tokens,
+        hidden_size,
+        extra.expert_owner.numel(),
+        NUM_FFN=len(inputs.headers),
+        TOPK=topk,
+        TOPK_BLOCK=triton.next_power_of_2(topk),
+        ROWS=ROWS,
+        BLOCK=block,
     )

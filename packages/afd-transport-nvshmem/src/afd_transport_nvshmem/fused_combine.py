@@ -6,9 +6,10 @@ One program per (token, column block): it loads the token's ``k`` wire positions
 weights, finds each reply row in the window (the FFN rank is the number of segment bounds
 at or below the wire position), and accumulates ``weight * row`` in fp32 registers; the
 shared-expert row of the token is added with weight one. The output is written once in
-the activation dtype. Compared with the portable path this reads every reply byte once
-and does no fp32 round trips through memory and no atomics, so the summation order per
-token is fixed (choice order) and the result is deterministic.
+the activation dtype. A negative wire position (a token that sent nothing to that FFN
+rank, in the reduced-reply combine) is skipped. Compared with the portable path this reads
+every reply byte once and does no fp32 round trips through memory and no atomics, so the
+summation order per token is fixed (choice order) and the result is deterministic.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def _fused_combine_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         wire = tl.load(wire_position + token * TOPK + j)
+        present = wire >= 0  # a negative position contributes nothing (nothing was sent)
+        wire = tl.maximum(wire, 0)
         dest = tl.sum((bounds <= wire).to(tl.int32), axis=0)
         first = tl.load(segment_offsets + dest)
         start = tl.load(routed_starts + dest) + (wire - first) * hidden
         weight = tl.load(weights + token * TOPK + j).to(tl.float32)
-        value = tl.load(rows + start + columns, mask=in_row, other=0.0).to(tl.float32)
-        acc += weight * value
+        value = tl.load(rows + start + columns, mask=in_row & present, other=0.0).to(tl.float32)
+        acc += tl.where(present, weight, 0.0) * value
     if HAS_SHARED:
         dest = token % num_ffn
         start = tl.load(shared_starts + dest) + (token // num_ffn) * hidden

@@ -12,8 +12,14 @@ from afd_protocol.window import WindowKernels
 
 @functools.cache
 def triton_kernels() -> WindowKernels:
-    """The fused combine and the device pack, on the current CUDA stream."""
+    """The fused combine, the device pack and the FFN-side reduce, on the current CUDA
+    stream."""
     from afd_transport_nvshmem.device_pack import triton_device_pack
     from afd_transport_nvshmem.fused_combine import triton_fused_combine
+    from afd_transport_nvshmem.reduce_partials import triton_reduce_partials
 
-    return WindowKernels(fused_combine=triton_fused_combine, device_pack=triton_device_pack)
+    return WindowKernels(
+        fused_combine=triton_fused_combine,
+        device_pack=triton_device_pack,
+        reduce_partials=triton_reduce_partials,
+    )

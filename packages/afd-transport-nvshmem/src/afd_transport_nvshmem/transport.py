@@ -34,7 +34,8 @@ Endpoints
 ---------
 The attention endpoint this transport makes is the window layer's
 :class:`~afd_protocol.window.KernelAttentionEndpoint` with the Triton kernels
-(:mod:`afd_transport_nvshmem.kernels`): a fused combine, and a device pack on request.
+(:mod:`afd_transport_nvshmem.kernels`): a fused combine, and a device pack on request;
+the FFN endpoint's ``per_rank`` parts reduce with the Triton reduce kernel.
 
 Start-up and teardown
 ---------------------
@@ -73,6 +74,7 @@ from afd_protocol import (
 from afd_protocol.window import (
     Arrivals,
     KernelAttentionEndpoint,
+    WindowFFNEndpoint,
     WindowTransport,
     abort_words,
     flag_words,
@@ -246,6 +248,12 @@ class NvshmemTransport(WindowTransport):
         from afd_transport_nvshmem.kernels import triton_kernels
 
         return KernelAttentionEndpoint(self, options, triton_kernels())
+
+    def ffn_endpoint(self, options: EndpointOptions | None = None) -> WindowFFNEndpoint:
+        """The FFN window endpoint; its ``per_rank`` parts reduce with the Triton kernel."""
+        from afd_transport_nvshmem.kernels import triton_kernels
+
+        return WindowFFNEndpoint(self, options, triton_kernels())
 
     def _new_waiter(self) -> DeviceWaiter:
         from afd_transport_nvshmem.device_wait import DeviceWaiter

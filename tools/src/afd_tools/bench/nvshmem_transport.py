@@ -224,14 +224,15 @@ def _gather_into_peer(
 
 
 LAYER_MODES = {
-    "device": WindowOptions(timeout=120.0),
+    "device": WindowOptions(timeout=120.0, device_pack=False),
     "device-pack": WindowOptions(timeout=120.0, device_pack=True),
     "torch-combine": WindowOptions(timeout=120.0, combine="portable"),
     "copied-header": WindowOptions(timeout=120.0, capture_headers=False),
 }
-"""Per-layer endpoint options side by side: the defaults (device wait with the header
-captured with the flag, fused combine, counts read to the host once); the defaults plus the
-dispatch packed on the device (opt-in); the portable per-FFN-rank combine instead of the
+"""Per-layer endpoint options side by side: the host plan (device wait with the header
+captured with the flag, fused combine, counts read to the host once); the dispatch packed
+on the device (the default since the device plan measured faster behind queued compute;
+this benchmark queues none); the portable per-FFN-rank combine instead of the
 fused kernel; each header copied out of the window instead of captured by the wait."""
 HOST_MODE = WindowOptions(timeout=120.0, combine="portable", capture_headers=False)
 """The straightforward implementation, measured in a launch of its own because host polls

@@ -373,15 +373,40 @@ class DevicePlan(WireOrder):
     ``[segment_offsets[d], segment_offsets[d + 1])``."""
     expert_bounds: torch.Tensor
     """int64 ``[2]``: the smallest and largest expert id routed to, for the range check."""
+    token_rows: torch.Tensor | None = None
+    """``per_rank`` plans: int64 ``[T, F]``, token ``t``'s row in FFN rank ``d``'s part
+    (tokens ascending, as :func:`plan_dispatch` lists them), -1 when ``t`` has no expert
+    there."""
+    token_row_offsets: torch.Tensor | None = None
+    """``per_rank``: int64 ``[F + 1]``, FFN rank ``d`` gets ``o[d + 1] - o[d]`` token rows."""
+
+    @functools.cached_property
+    def token_row_positions(self) -> torch.Tensor:
+        """int64 ``[T * F]``: for each (token, FFN rank), the token's reply row counted across
+        every rank's reply (``o[d] + token_rows[t, d]``), -1 where it sent nothing there --
+        the wire positions of replies reduced on the FFN side, one per (token, rank)."""
+        assert self.token_rows is not None
+        assert self.token_row_offsets is not None
+        starts = self.token_row_offsets[:-1].unsqueeze(0)
+        return torch.where(self.token_rows >= 0, self.token_rows + starts, -1).reshape(-1)
 
 
 def plan_on_device(
-    topk_ids: torch.Tensor, topology: Topology, shared_placement: SharedPlacement
+    topk_ids: torch.Tensor,
+    topology: Topology,
+    shared_placement: SharedPlacement,
+    wire_format: WireFormat = WireFormat.PER_CHOICE,
+    per_partial_order: bool = True,
 ) -> DevicePlan:
     """:func:`plan_dispatch` without its device-to-host read.
 
     The caller has validated ``topk_ids`` (2-D, integer, on the window's device); ids out of
-    range are clamped here and reported from ``expert_bounds`` later.
+    range are clamped here and reported from ``expert_bounds`` later. A ``per_rank`` plan
+    also places every token row: a running count down the ``[T, F]`` hit matrix is each
+    row's position (no sort, no host read). ``per_partial_order=False`` skips the sort that
+    orders the partials (``order``, ``row_token`` and ``wire_position`` are then empty): a
+    ``per_rank`` dispatch whose replies are reduced on the FFN side never needs it, and on a
+    GPU the sort is the plan's costliest step (about 0.1 ms of host time).
     """
     num_tokens, topk = topk_ids.shape
     placement = topology.expert_placement
@@ -391,13 +416,28 @@ def plan_on_device(
     keys = wire_table(placement, device).index_select(0, flat.clamp(0, num_experts - 1))
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.index_add_(0, keys, _one(device).expand(keys.numel()))
-    order = torch.sort(keys, stable=True).indices
+    if per_partial_order:
+        order = torch.sort(keys, stable=True).indices
+    else:
+        order = torch.empty(0, dtype=torch.long, device=device)
     totals = torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts.cumsum(0)])
     segments = totals.index_select(0, constant_index(placement.rank_wire_offsets, device))
     if flat.numel():
         bounds = torch.stack(torch.aminmax(flat))
     else:
         bounds = torch.zeros(2, dtype=torch.long, device=device)
+    token_rows = token_row_offsets = None
+    if WireFormat(wire_format) is WireFormat.PER_RANK:
+        hits = _rank_hits(flat.clamp(0, num_experts - 1), placement, num_tokens, topk)
+        running = hits.long().cumsum(0)
+        token_rows = torch.where(hits, running - 1, -1)
+        rows = (
+            running[-1]
+            if num_tokens
+            else torch.zeros(placement.num_ffn_ranks, dtype=torch.long, device=device)
+        )
+        token_row_offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device), rows])
+        token_row_offsets = token_row_offsets.cumsum(0)
     return DevicePlan(
         num_tokens=num_tokens,
         topk=topk,
@@ -408,6 +448,8 @@ def plan_on_device(
         segment_offsets=segments,
         expert_bounds=bounds,
         shared_tokens=shared_token_split(num_tokens, topology, shared_placement, device),
+        token_rows=token_rows,
+        token_row_offsets=token_row_offsets,
     )
 
 

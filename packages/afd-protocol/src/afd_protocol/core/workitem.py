@@ -16,6 +16,7 @@ An FFN computes every part the same way, whatever the wire format::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,42 @@ class WorkItemKey:
     replica: int
     layer: int
     stage: int
+
+
+@dataclass(frozen=True)
+class PartialsToReduce:
+    """What the FFN-side reduce of a ``per_rank`` part reads (:meth:`WorkItemPart.finish`)."""
+
+    out: torch.Tensor
+    """``[P, H]``: the expert output of every partial, grouped by local expert."""
+    slots: torch.Tensor
+    """int64 ``[P]``: each partial's flat ``(row, choice)`` slot ``row * k + j``."""
+    route_ids: torch.Tensor
+    """int32 ``[R, k]``: local expert ids, -1 where the choice is on another FFN rank."""
+    route_weights: torch.Tensor
+    """fp32 ``[R, k]``: the routing weights."""
+
+
+PartialsReduce = Callable[[PartialsToReduce], torch.Tensor]
+"""``reply[r] = sum_j w[r, j] * out[partial at slot r * k + j]`` over the choices on this
+rank, in fp32, returned ``[R, H]`` in ``out``'s dtype. A device kernel replaces
+:func:`reference_reduce_partials` (on a GPU, one pass instead of five)."""
+
+
+def reference_reduce_partials(inputs: PartialsToReduce) -> torch.Tensor:
+    """The reduce written with torch ops: a batched ``[1, k] x [k, H]`` product per row over
+    the partials placed at their ``(row, choice)`` slots (zero where the choice is on
+    another rank); no atomics, so deterministic on every device."""
+    out = inputs.out
+    rows, topk = inputs.route_ids.shape
+    hidden = out.shape[1]
+    slots = torch.zeros(rows * topk, hidden, dtype=torch.float32, device=out.device)
+    slots.index_copy_(0, inputs.slots.to(out.device), out.float())
+    weights = inputs.route_weights.to(out.device, torch.float32).masked_fill(
+        inputs.route_ids.to(out.device) < 0, 0.0
+    )
+    reduced = torch.bmm(weights.unsqueeze(1), slots.view(rows, topk, hidden))
+    return reduced.squeeze(1).to(out.dtype)
 
 
 @dataclass(frozen=True)
@@ -59,6 +96,9 @@ class WorkItemPart:
     partials_hint: int | None = None
     """``per_rank``: the number of partials as the header announced it (the sum of the
     group list, known on the host), so expanding needs no device-to-host read."""
+    reduce_kernel: PartialsReduce | None = None
+    """The device kernel ``finish`` reduces with (None: :func:`reference_reduce_partials`);
+    set by an endpoint whose backend has one."""
 
     @property
     def num_partials(self) -> int:
@@ -105,25 +145,16 @@ class WorkItemPart:
         """This part's reply rows from ``out [P, H]``, the expert outputs of ``grouped()``'s rows.
 
         Unchanged unless the FFN side reduces: then each token row's partials are weighted
-        and summed in fp32 and returned in ``out``'s dtype, one row per token row. The sum
-        is a batched ``[1, k] x [k, H]`` product per row over the partials placed at their
-        ``(row, choice)`` slots (zero where the choice is on another rank): no atomics, so
-        deterministic on every device.
+        and summed in fp32 and returned in ``out``'s dtype, one row per token row
+        (:data:`PartialsReduce`, deterministic).
         """
         if not self.reduce_on_ffn:
             return out
         assert self.route_ids is not None
         assert self.route_weights is not None
         order, _ = self._expansion
-        rows, topk = self.route_ids.shape
-        hidden = out.shape[1]
-        slots = torch.zeros(rows * topk, hidden, dtype=torch.float32, device=out.device)
-        slots.index_copy_(0, order.to(out.device), out.float())
-        weights = self.route_weights.to(out.device, torch.float32).masked_fill(
-            self.route_ids.to(out.device) < 0, 0.0
-        )
-        reduced = torch.bmm(weights.unsqueeze(1), slots.view(rows, topk, hidden))
-        return reduced.squeeze(1).to(out.dtype)
+        reduce = self.reduce_kernel or reference_reduce_partials
+        return reduce(PartialsToReduce(out, order, self.route_ids, self.route_weights))
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class WindowDispatch:
     stage: int
     ring: int
     plan: WireOrder
+    topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     dtype: torch.dtype
     expected: dict[int, ExpectedReply] = field(default_factory=dict)
@@ -126,11 +127,11 @@ class WindowAttentionEndpoint(WindowEndpoint):
 
     def _check_kernel_options(self) -> None:
         """Refuse options that need device kernels: this endpoint has none."""
-        if self.options.combine == "fused" or self.options.device_pack:
+        if self.options.combine == "fused" or self.options.device_pack is True:
             raise InvalidArgument(
                 f"combine={self.options.combine!r}, device_pack={self.options.device_pack} "
                 f"need device kernels, which this {type(self._transport).__name__} does not "
-                f"offer; use the defaults (combine='auto', device_pack=False)"
+                f"offer; use the defaults (combine='auto', device_pack=None)"
             )
 
     @property
@@ -171,6 +172,7 @@ class WindowAttentionEndpoint(WindowEndpoint):
             stage=stage,
             ring=ring,
             plan=plan,
+            topk_ids=topk_ids,
             topk_weights=topk_weights,
             dtype=hidden_states.dtype,
         )

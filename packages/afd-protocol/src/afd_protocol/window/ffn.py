@@ -31,6 +31,7 @@ from afd_protocol.core.layout import CombineReduce
 from afd_protocol.core.topology import Role
 from afd_protocol.core.workitem import WorkItem, WorkItemKey, WorkItemPart
 from afd_protocol.window.common import WindowEndpoint
+from afd_protocol.window.kernels import WindowKernels
 from afd_protocol.window.transport import Arrivals, WindowTransport
 from afd_protocol.window.views import SlotView, slot_view
 
@@ -49,7 +50,14 @@ class WindowFFNEndpoint(WindowEndpoint):
 
     role = Role.FFN
 
-    def __init__(self, transport: WindowTransport, options: EndpointOptions | None = None) -> None:
+    def __init__(
+        self,
+        transport: WindowTransport,
+        options: EndpointOptions | None = None,
+        kernels: WindowKernels | None = None,
+    ) -> None:
+        # Only the reduce of per_rank partials is the FFN side's (handed out with each part).
+        self._reduce_kernel = None if kernels is None else kernels.reduce_partials
         super().__init__(transport, options)
 
     def _setup(self) -> None:
@@ -182,6 +190,7 @@ class WindowFFNEndpoint(WindowEndpoint):
                 route_weights=view.route_weights[:rows],
                 reduce_on_ffn=self._reduce_on_ffn,
                 partials_hint=header.num_partials,
+                reduce_kernel=self._reduce_kernel,
             )
         parts[src] = _Received(part, ring, header)
         self._arrival.setdefault(key, next(self._counter))

@@ -6,11 +6,15 @@ transport passes its Triton kernels; tests pass :data:`~.kernels.REFERENCE_KERNE
 * **fused combine** (``combine="auto"`` or ``"fused"``): the plan's segment bounds go to
   the device with the dispatch (through pinned memory, no host wait), and ``combine``
   runs one kernel that reads every token's reply rows where they landed;
-* **device pack** (``device_pack=True``, opt-in): when no FFN rank can overflow even if
+* **device pack** (by default where the kernels have one; ``device_pack=False`` turns it
+  off): when no FFN rank can overflow even if
   every row went to it, the plan stays on the device (:func:`~afd_protocol.core.plan.
   plan_on_device`) and one kernel writes every destination's rows and complete header.
   Every FFN rank is then published to (one that got nothing serves an empty part), and
-  the expert-id range check, read back behind the pack, is raised at ``combine``.
+  the expert-id range check, read back behind the pack, is raised at ``combine``. In the
+  ``per_rank`` format a rank gets at most one row per token, so with replies reduced on
+  the FFN side every batch within ``token_cap`` is packed on the device; those replies
+  are combined by the fused kernel with one unit-weight "choice" per FFN rank.
 """
 
 from __future__ import annotations
@@ -28,8 +32,15 @@ from afd_protocol.core.plan import (
     check_expert_bounds,
     plan_on_device,
 )
+from afd_protocol.core.tensors import constant_index
 from afd_protocol.window.attention import ExpectedReply, WindowAttentionEndpoint, WindowDispatch
-from afd_protocol.window.kernels import CombineInputs, PackInputs, WindowKernels, crc_tables
+from afd_protocol.window.kernels import (
+    CombineInputs,
+    PackInputs,
+    TokenRowInputs,
+    WindowKernels,
+    crc_tables,
+)
 from afd_protocol.window.pinned import PinnedReadback, PinnedUpload
 from afd_protocol.window.transport import WindowTransport
 
@@ -52,7 +63,10 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         transport = self._transport
         # Replies reduced on the FFN side need no weighting: the portable sum is all there is.
         self._fused = self.options.combine != "portable" and not self._reduced_replies_layout()
-        self._pack = kernels.device_pack if self.options.device_pack else None
+        wanted = self.options.device_pack
+        if wanted is None:  # auto: wherever the kernels can, unless the combine is portable
+            wanted = self.options.combine != "portable"
+        self._pack = kernels.device_pack if wanted else None
         device = transport.device
         ffn_ranks = range(self._topology.num_ffn_ranks)
         rings = range(self._window.ring_depth)
@@ -77,18 +91,16 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         shape = (self._topology.num_ffn_ranks, HEADER_FIXED_WORDS)
         self._fixed_words = [torch.zeros(shape, dtype=torch.int32, device=device) for _ in rings]
         self._readback = PinnedReadback(device)
-        self._crc_base, self._crc_columns = crc_tables(self._topology.expert_placement, device)
+        placement = self._topology.expert_placement
+        self._crc_base, self._crc_columns = crc_tables(placement, device)
+        self._expert_owner = constant_index(placement.owner, device).to(torch.int32)
+        self._expert_local_id = constant_index(placement.local_id, device).to(torch.int32)
 
     def _check_kernel_options(self) -> None:
-        if self.options.device_pack and self._kernels.device_pack is None:
+        if self.options.device_pack is True and self._kernels.device_pack is None:
             raise InvalidArgument(
                 f"device_pack=True, but the kernels of {type(self._transport).__name__} have no "
-                f"device pack; use device_pack=False"
-            )
-        if self.options.device_pack and self._slot.per_rank:
-            raise InvalidArgument(
-                "device_pack=True packs the per_choice wire format only (the per_rank pack is "
-                "not written yet); use device_pack=False or wire_format='per_choice'"
+                f"device pack; use device_pack=None (auto) or False"
             )
         if self.options.combine == "fused" and self._reduced_replies_layout():
             raise InvalidArgument(
@@ -101,7 +113,14 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
 
     def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
         if self._packs_on_device(topk_ids):
-            return plan_on_device(topk_ids, self._topology, self._slot.shared_placement)
+            slot = self._slot
+            return plan_on_device(
+                topk_ids,
+                self._topology,
+                slot.shared_placement,
+                slot.wire_format,
+                per_partial_order=not self._reduced_replies_layout(),
+            )
         return super()._plan(topk_ids)
 
     def _packs_on_device(self, topk_ids: torch.Tensor) -> bool:
@@ -112,7 +131,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         return (
             self._pack is not None
             and 0 < num_tokens <= slot.token_cap
-            and num_tokens * topk <= slot.routed_cap
+            and slot.slot_rows(num_tokens * topk, num_tokens) <= slot.routed_cap
         )
 
     def _send(self, handle: WindowDispatch, hidden_states: torch.Tensor) -> None:
@@ -120,6 +139,10 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         if isinstance(plan, DevicePlan):
             self._send_packed(handle, plan, hidden_states)
             handle.device_segments = plan.segment_offsets
+            if self._reduced_replies_layout():
+                handle.device_segments = plan.token_row_offsets
+                plan.token_row_positions  # noqa: B018 - computed while the FFN ranks work
+                return
         else:
             super()._send(handle, hidden_states)
             assert isinstance(plan, DispatchPlan)
@@ -148,6 +171,16 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
             headers.append(header)
         self._uploads.copy(self._fixed_words[ring].view(-1), fixed, ("fixed", ring))
         views = [self._send_views[d][ring] for d in ffn_ranks]
+        token_rows = None
+        if self._slot.per_rank:
+            token_rows = TokenRowInputs(
+                topk_ids=handle.topk_ids,
+                topk_weights=handle.topk_weights,
+                expert_owner=self._expert_owner,
+                expert_local_id=self._expert_local_id,
+                route_ids=tuple(v.route_ids for v in views),
+                route_weights=tuple(v.route_weights for v in views),
+            )
         self._pack(
             PackInputs(
                 hidden=hidden_states,
@@ -159,6 +192,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 headers=tuple(v.header for v in views),
                 crc_base=self._crc_base,
                 crc_columns=self._crc_columns,
+                token_row_inputs=token_rows,
             )
         )
         self._readback.start(plan.expert_bounds, ring)
@@ -178,14 +212,25 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 check_expert_bounds(low, high, self._topology.num_experts)
         if handle.device_segments is None:
             return super()._combine_arrived(handle)
+        if isinstance(plan, DevicePlan) and self._reduced_replies_layout():
+            # One reply row per (token, FFN rank), already weighted: unit weights.
+            wire_position = plan.token_row_positions
+            weights = torch.ones(
+                plan.num_tokens,
+                self._topology.num_ffn_ranks,
+                dtype=torch.float32,
+                device=wire_position.device,
+            )
+        else:
+            wire_position, weights = plan.wire_position, handle.topk_weights
         return self._kernels.fused_combine(
             CombineInputs(
                 rows=self._rows,
                 routed_starts=self._routed_starts[ring],
                 shared_starts=None if self._shared_starts is None else self._shared_starts[ring],
                 segment_offsets=handle.device_segments,
-                wire_position=plan.wire_position,
-                topk_weights=handle.topk_weights,
+                wire_position=wire_position,
+                topk_weights=weights,
                 hidden_size=self._slot.hidden_size,
                 out_dtype=handle.dtype,
             )

@@ -23,7 +23,11 @@ needs is described by positions in this rank's window (:class:`CombineInputs`):
   and is that rank's reply row ``i - segment_offsets[d]``;
 * ``wire_position`` -- the plan's wire position of each partial ``t * k + j``;
 * shared rows follow the round-robin split of :func:`~afd_protocol.core.plan.plan_dispatch`:
-  token ``t`` is FFN rank ``t % F``'s shared row ``t // F``.
+  token ``t`` is FFN rank ``t % F``'s shared row ``t // F``;
+* a wire position below zero contributes nothing (no read, no weight): replies reduced on
+  the FFN side (``per_rank`` with ``combine_reduce="ffn"``) are combined as ``k = F``
+  "choices" per token, one per FFN rank, -1 where the token sent nothing there
+  (:attr:`~afd_protocol.core.plan.DevicePlan.token_row_positions`, weights all one).
 
 Device pack
 -----------
@@ -37,7 +41,10 @@ plan on the device, and a device pack writes every destination's routed rows, th
 source tokens and the complete header (``ROUTED_ROWS``, the expert counts and the CRC-32
 checksum computed on the device, the CRC as an XOR of precomputed columns, see
 :func:`~afd_protocol.core.header.crc_columns`; every other word prepared on the host in
-``fixed_words``) in one pass (:class:`PackInputs`).
+``fixed_words``) in one pass (:class:`PackInputs`). In the ``per_rank`` format it writes
+each token row once per FFN rank it has experts on, with the row's local expert ids and
+weights (:class:`TokenRowInputs`); a rank's rows never exceed the batch, so a ``per_rank``
+batch reduced on the FFN side can always be packed on the device.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import torch
 from afd_protocol.core.header import HEADER_FIXED_WORDS, Word, checksum, crc_columns
 from afd_protocol.core.plan import DevicePlan
 from afd_protocol.core.topology import ExpertPlacement
+from afd_protocol.core.workitem import PartialsReduce, reference_reduce_partials
 
 
 @dataclass(frozen=True)
@@ -77,16 +85,40 @@ def reference_fused_combine(inputs: CombineInputs) -> torch.Tensor:
     num_tokens, topk = inputs.topk_weights.shape
     num_ffn = inputs.routed_starts.numel()
     columns = torch.arange(hidden, device=rows.device)
-    wire, bounds = inputs.wire_position, inputs.segment_offsets
+    bounds = inputs.segment_offsets
+    present = inputs.wire_position >= 0
+    wire = inputs.wire_position.clamp(min=0)
     dest = torch.bucketize(wire, bounds[1:-1], right=True)
     starts = inputs.routed_starts[dest] + (wire - bounds[dest]) * hidden
-    values = rows[starts[:, None] + columns].float().view(num_tokens, topk, hidden)
-    out = (values * inputs.topk_weights.float()[..., None]).sum(dim=1)
+    values = rows[starts[:, None] + columns].float()
+    values = values.masked_fill(~present[:, None], 0.0).view(num_tokens, topk, hidden)
+    weights = inputs.topk_weights.float().masked_fill(~present.view(num_tokens, topk), 0.0)
+    out = (values * weights[..., None]).sum(dim=1)
     if inputs.shared_starts is not None:
         tokens = torch.arange(num_tokens, device=rows.device)
         shared = inputs.shared_starts[tokens % num_ffn] + (tokens // num_ffn) * hidden
         out += rows[shared[:, None] + columns].float()
     return out.to(inputs.out_dtype)
+
+
+@dataclass(frozen=True)
+class TokenRowInputs:
+    """What a ``per_rank`` device pack needs beyond :class:`PackInputs` (the plan's
+    ``token_rows`` say where each token row goes)."""
+
+    topk_ids: torch.Tensor
+    """``[T, k]`` integer: the router's choices (out-of-range ids are clamped; the endpoint
+    reports them from the plan's ``expert_bounds``)."""
+    topk_weights: torch.Tensor
+    """``[T, k]`` floating point: travels as fp32, 0 where a choice is on another rank."""
+    expert_owner: torch.Tensor
+    """int32 ``[E]``: the FFN rank of each expert."""
+    expert_local_id: torch.Tensor
+    """int32 ``[E]``: each expert's id on its FFN rank."""
+    route_ids: tuple[torch.Tensor, ...]
+    """Per destination, int32 ``[cap, k]``: each row's local expert ids, -1 elsewhere."""
+    route_weights: tuple[torch.Tensor, ...]
+    """Per destination, fp32 ``[cap, k]``."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +143,18 @@ class PackInputs:
     """int32 ``[F]``: the CRC of each destination's all-zero header (:func:`crc_tables`)."""
     crc_columns: torch.Tensor
     """int32 ``[F, max_words, 32]``: per destination, the CRC columns of its header length."""
+    token_row_inputs: TokenRowInputs | None = None
+    """``per_rank``: the pack writes token rows (the plan has ``token_rows``) instead of
+    one row per partial."""
+
+    @property
+    def row_offsets(self) -> torch.Tensor:
+        """int64 ``[F + 1]`` on the device: destination ``d`` gets ``o[d + 1] - o[d]`` rows
+        (its header's ROUTED_ROWS)."""
+        if self.token_row_inputs is None:
+            return self.plan.segment_offsets
+        assert self.plan.token_row_offsets is not None
+        return self.plan.token_row_offsets
 
 
 DevicePack = Callable[[PackInputs], None]
@@ -147,14 +191,18 @@ def reference_device_pack(inputs: PackInputs) -> None:
     dest_of = torch.bucketize(wire, segments[1:-1], right=True)
     row_of = wire - segments[dest_of]
     offsets = inputs.rank_wire_offsets
+    sent = inputs.row_offsets
     for dest in range(len(inputs.headers)):
-        mine = (dest_of == dest).nonzero().squeeze(1)
-        rows, tokens = row_of[mine], plan.row_token[mine]
+        if inputs.token_row_inputs is None:
+            mine = (dest_of == dest).nonzero().squeeze(1)
+            rows, tokens = row_of[mine], plan.row_token[mine]
+        else:
+            rows, tokens = _reference_token_rows(inputs, inputs.token_row_inputs, dest)
         inputs.routed_rows[dest][rows] = inputs.hidden[tokens]
         inputs.route_index[dest][rows] = tokens.to(torch.int32)
         counts = plan.expert_counts[offsets[dest] : offsets[dest + 1]]
         words = torch.cat([inputs.fixed_words[dest].long(), counts])
-        words[Word.ROUTED_ROWS] = segments[dest + 1] - segments[dest]
+        words[Word.ROUTED_ROWS] = sent[dest + 1] - sent[dest]
         # A specification may read back to the host: the checksum straight from its
         # definition (a kernel uses inputs.crc_columns, tested against this).
         crc = checksum(words.tolist())
@@ -162,17 +210,40 @@ def reference_device_pack(inputs: PackInputs) -> None:
         inputs.headers[dest][: words.numel()] = words.to(torch.int32)
 
 
+def _reference_token_rows(
+    inputs: PackInputs, extra: TokenRowInputs, dest: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``dest``'s ``per_rank`` route ids and weights; return its rows and tokens."""
+    assert inputs.plan.token_rows is not None
+    placed = inputs.plan.token_rows[:, dest]
+    tokens = (placed >= 0).nonzero().squeeze(1)
+    rows = placed[tokens]
+    num_experts = extra.expert_owner.numel()
+    chosen = extra.topk_ids[tokens].long().clamp(0, num_experts - 1)
+    here = extra.expert_owner[chosen] == dest
+    local = extra.expert_local_id[chosen]
+    extra.route_ids[dest][rows] = torch.where(here, local, -1).to(torch.int32)
+    weights = extra.topk_weights[tokens].float()
+    extra.route_weights[dest][rows] = weights.masked_fill(~here, 0.0)
+    return rows, tokens
+
+
 @dataclass(frozen=True)
 class WindowKernels:
-    """The device kernels one kind of hardware offers a window endpoint.
+    """The device kernels one kind of hardware offers the window endpoints.
 
     ``device_pack`` is used only together with ``fused_combine`` (a packed dispatch's
     counts never come to the host, so only the fused kernel can combine its replies).
+    ``reduce_partials`` is the FFN side's: parts it hands out reduce with it in
+    :meth:`~afd_protocol.core.workitem.WorkItemPart.finish`.
     """
 
     fused_combine: FusedCombine
     device_pack: DevicePack | None = None
+    reduce_partials: PartialsReduce | None = None
 
 
-REFERENCE_KERNELS = WindowKernels(reference_fused_combine, reference_device_pack)
+REFERENCE_KERNELS = WindowKernels(
+    reference_fused_combine, reference_device_pack, reference_reduce_partials
+)
 """The torch references as kernels: the kernel endpoint's logic, testable on any device."""

@@ -61,7 +61,9 @@ class LoopbackTransport(WindowTransport):
         return self._world.windows[(self.role.opposite, self.check_peer(peer))]
 
     def publish(self, peer: int, flag_index: int, value: int) -> None:
-        flag_words(self.peer_window(peer), self.window)[flag_index] = value
+        # fill_ takes the value as a kernel argument: on a GPU, item assignment would be a
+        # host-to-device copy that synchronises (and dispatch() must not).
+        flag_words(self.peer_window(peer), self.window)[flag_index : flag_index + 1].fill_(value)
 
     def wait_any(
         self,
