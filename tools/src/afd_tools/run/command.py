@@ -253,7 +253,10 @@ def _run(args: argparse.Namespace) -> int:
             "modes": {m: s.as_dict() for m, s in summaries.items()},
             "ratios": ratios(summaries),
             "requests": [r.__dict__ for r in requests],
-            "verification_failures": failures,
+            "verification_failures": {m: sorted(f) for m, f in failures.items()},
+            "verification_errors": {
+                m: {str(r): e for r, e in f.items()} for m, f in failures.items()
+            },
         }
         write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
         print(f"wrote {args.json}")
@@ -265,8 +268,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     elapsed = time.perf_counter() - started
     if failures:
-        listed = ", ".join(f"{m}: {ids}" for m, ids in failures.items())
-        print(f"FAIL: outputs differ from the monolithic reference ({listed}); {elapsed:.0f} s")
+        listed = "; ".join(
+            f"{m}: "
+            + ", ".join(f"request {r} (relative error {e:.2e})" for r, e in sorted(f.items()))
+            for m, f in failures.items()
+        )
+        print(
+            f"FAIL: outputs differ from the monolithic reference beyond the tolerance "
+            f"{TOLERANCE[args.dtype]:.0e} ({listed}); {elapsed:.0f} s"
+        )
         return 1
     print(
         f"PASS: every request's final hidden state matches the monolithic reference in every "
@@ -315,8 +325,9 @@ def _verify(
     requests: list[Any],
     replica_values: list[dict[str, Any]],
     modes: list[str],
-) -> dict[str, list[int]]:
-    """Compare every request of every mode with the monolithic model; return mismatches."""
+) -> dict[str, dict[int, float]]:
+    """Compare every request of every mode with the monolithic model; return the mismatches
+    (per mode, request id -> relative error)."""
     dtype = getattr(torch, args.dtype)
     reference = MonolithicModel(config, RandomWeights(args.seed), dtype=dtype)
     tolerance = TOLERANCE[args.dtype]
@@ -325,12 +336,13 @@ def _verify(
         prompt = ranks.request_tokens(request, config.vocab_size, args.seed)
         out = reference.forward([prompt], compute_logits=False)
         expected[request.request_id] = out.last_hidden_states()[0].float()
-    failures: dict[str, list[int]] = {}
+    failures: dict[str, dict[int, float]] = {}
     for mode in modes:
         for values in replica_values:
             for rid, hidden in values[mode].last_hidden.items():
-                if relative_error(hidden, expected[rid]) > tolerance:
-                    failures.setdefault(mode, []).append(rid)
+                error = relative_error(hidden, expected[rid])
+                if error > tolerance:
+                    failures.setdefault(mode, {})[rid] = error
     return failures
 
 
