@@ -1,8 +1,12 @@
 """Ascend CAM transport for afd.
 
-Not implemented yet. It will bind the CAM asynchronous operators (four communication
-operators, two layer-select routed-expert operators) behind the afd transport interface
-and ship a CPU emulator of their semantics so the connector logic is tested without an NPU.
+In progress. Done: a CPU emulator of CAM's compact routed-only communication operators
+(:mod:`afd_transport_cam.emulator`: the four operators with their published schemas and
+semantics, registered as ``torch.ops.afd_ascend.*``), their window geometry
+(:mod:`afd_transport_cam.geometry`) and the per-token int8 quantisation
+(:mod:`afd_transport_cam.quant`). Still to come: the afd endpoints over the operators, the
+binding of the real NPU operators, the layer-select GEMM references, and windows shared
+between processes.
 """
 
 from importlib.metadata import PackageNotFoundError, version

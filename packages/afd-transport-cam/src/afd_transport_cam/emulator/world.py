@@ -1,0 +1,112 @@
+"""Where the emulated operators find the ranks' windows: a world per communicator name.
+
+On the NPU every operator takes ``group_name`` (the HCCL communicator's name) and finds
+its own window and its peers' through the communicator. The emulator keeps, per process,
+a registry from that name to a :class:`CamWorld`: an object that gives the window of any
+world rank this process may touch, the spin timeout (the NPU has none: it would spin
+forever), and a description of the protocol state for the timeout's message.
+
+:class:`LocalCamWorld` holds every rank's window in this process, for tests that drive
+all ranks step by step from one thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from afd_protocol import InvalidArgument, PeerTimeout
+
+DEFAULT_SPIN_TIMEOUT = 600.0
+"""Seconds an emulated receive spins before raising (the NPU would spin forever)."""
+
+
+class CamWorld(Protocol):
+    """The windows of one emulated CAM communicator, as this process sees them."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def spin_timeout(self) -> float: ...
+
+    def window(self, world_rank: int) -> torch.Tensor:
+        """The flat uint8 window of ``world_rank`` (this process's own or a peer's)."""
+        ...
+
+
+class LocalCamWorld:
+    """Every rank's window in this process (zero-initialised, as HCCL windows start)."""
+
+    def __init__(
+        self, world_size: int, window_bytes: int, spin_timeout: float = DEFAULT_SPIN_TIMEOUT
+    ) -> None:
+        if world_size < 2:
+            raise InvalidArgument(f"a CAM world needs >= 2 ranks, got {world_size}")
+        self._windows = [torch.zeros(window_bytes, dtype=torch.uint8) for _ in range(world_size)]
+        self._timeout = spin_timeout
+
+    @property
+    def world_size(self) -> int:
+        return len(self._windows)
+
+    @property
+    def spin_timeout(self) -> float:
+        return self._timeout
+
+    def window(self, world_rank: int) -> torch.Tensor:
+        if not 0 <= world_rank < len(self._windows):
+            raise InvalidArgument(f"world rank {world_rank} is outside [0, {len(self._windows)})")
+        return self._windows[world_rank]
+
+
+_WORLDS: dict[str, CamWorld] = {}
+_LOCK = threading.Lock()
+
+
+def register_world(group_name: str, world: CamWorld) -> None:
+    """Make ``world`` the one the operators use for ``group_name`` in this process."""
+    with _LOCK:
+        if group_name in _WORLDS:
+            raise InvalidArgument(
+                f"an emulated CAM communicator named {group_name!r} is already registered in "
+                f"this process; unregister it first or pick another name"
+            )
+        _WORLDS[group_name] = world
+
+
+def unregister_world(group_name: str) -> None:
+    with _LOCK:
+        _WORLDS.pop(group_name, None)
+
+
+def world_for(group_name: str) -> CamWorld:
+    try:
+        return _WORLDS[group_name]
+    except KeyError:
+        known = sorted(_WORLDS) or "none"
+        raise InvalidArgument(
+            f"no emulated CAM communicator named {group_name!r} in this process (registered: "
+            f"{known}); create one and register_world() it before calling the operators"
+        ) from None
+
+
+def spin_until(
+    ready: Callable[[], bool], timeout: float, what: str, state: Callable[[], str]
+) -> None:
+    """Poll ``ready`` until it holds; raise :class:`PeerTimeout` after ``timeout`` seconds
+    with ``what`` and the protocol ``state`` (where the NPU would spin forever)."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not ready():
+        if time.monotonic() >= deadline:
+            raise PeerTimeout(
+                f"{what} did not happen within {timeout:g} s (the NPU operator would spin "
+                f"forever); state: {state()}"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
