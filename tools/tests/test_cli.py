@@ -118,6 +118,19 @@ def test_bench_transport_shm_prints_its_tables_and_writes_json(tmp_path) -> None
     )
 
 
+def test_bench_transport_cam_emulator_runs_beside_shm(tmp_path) -> None:
+    import json
+
+    out = tmp_path / "cam.json"
+    argv = ["bench", "transport", "--backend", "cam-emulator", "--repeats", "2"]
+    assert main([*argv, "--max-tokens", "256", "--json", str(out)]) == 0
+    layer = json.loads(out.read_text())["layer"]
+    assert set(layer) == {"shm per_rank", "cam-emulator"}
+    for name in layer:
+        assert layer[name]["256"]["rank0"] > 0
+        assert layer[name]["256"]["bytes"] == layer["shm per_rank"]["256"]["bytes"]
+
+
 def test_bench_rejects_arguments_it_cannot_measure(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "transport", "--iterations", "10", "--max-bytes", "100"]) == 2
     err = capsys.readouterr().err

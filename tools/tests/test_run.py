@@ -76,6 +76,20 @@ def test_shared_experts_on_ffn_in_bf16_with_poisson_arrivals(
             "cannot write /nonexistent-dir/run.json: the directory /nonexistent-dir does not exist",
         ),
         (["--plot", "."], ". is a directory; give a file name to write to"),
+        (
+            ["--cam-dynamic-quant"],
+            "--cam-dynamic-quant applies to --transport cam-emulator only",
+        ),
+        (
+            ["--transport", "cam-emulator", "--shared", "ffn"],
+            "--transport cam-emulator carries routed experts only: use --shared attention",
+        ),
+        (
+            ["--transport", "cam-emulator", "--ffn-ranks", "3"],
+            "--transport cam-emulator: CAM's operators place expert e on FFN rank e // R: the "
+            "8 experts must split evenly and contiguously over the 3 FFN ranks (got (3, 3, 2) "
+            "per rank)",
+        ),
     ],
 )
 def test_configuration_errors_are_one_line_before_anything_runs(
@@ -85,6 +99,23 @@ def test_configuration_errors_are_one_line_before_anything_runs(
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines() == [f"afd run: error: {message}"]
     assert "afd run: 2 attention" not in captured.out  # refused before launching anything
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_every_mode_runs_over_the_cam_emulator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], quant: bool
+) -> None:
+    """The main job over the emulated CAM operators: replicas of one rank, CAM's own wire
+    format, verified against the monolithic model (int8 dispatch to its looser bound)."""
+    report = tmp_path / "cam.json"
+    before = set(leftover_segments())
+    extra = ["--cam-dynamic-quant"] if quant else []
+    argv = [*SMALL, "--transport", "cam-emulator", *extra, "--json", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"(tolerance {'5e-02' if quant else '1e-05'}; worst " in out
+    assert json.loads(report.read_text())["verification_failures"] == {}
+    assert set(leftover_segments()) <= before
 
 
 def test_prompts_longer_than_the_budget_are_prefilled_in_chunks_in_every_mode(

@@ -101,6 +101,8 @@ from afd_protocol.core.workitem import (
     WorkItemPart,
     reference_reduce_partials,
 )
+from afd_protocol.shm.segments import SharedSegment
+from afd_protocol.shm.segments import check_platform as check_shared_memory_platform
 
 try:
     __version__ = version("afd-protocol")
@@ -148,6 +150,7 @@ __all__ = [
     "Role",
     "ServeStats",
     "SharedPlacement",
+    "SharedSegment",
     "SlotLayout",
     "TcpStore",
     "Topology",
@@ -160,6 +163,7 @@ __all__ = [
     "WorkItemPart",
     "__version__",
     "check_same_geometry",
+    "check_shared_memory_platform",
     "checksum",
     "combine",
     "combine_reduced",

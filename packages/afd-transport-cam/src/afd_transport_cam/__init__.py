@@ -2,11 +2,12 @@
 
 In progress. Done: a CPU emulator of CAM's compact routed-only communication operators
 (:mod:`afd_transport_cam.emulator`: the four operators with their published schemas and
-semantics, registered as ``torch.ops.afd_ascend.*``), their window geometry
-(:mod:`afd_transport_cam.geometry`) and the per-token int8 quantisation
-(:mod:`afd_transport_cam.quant`). Still to come: the afd endpoints over the operators, the
-binding of the real NPU operators, the layer-select GEMM references, and windows shared
-between processes.
+semantics, registered as ``torch.ops.afd_ascend.*``, over windows in this process or shared
+between processes), their window geometry (:mod:`afd_transport_cam.geometry`), the
+per-token int8 quantisation (:mod:`afd_transport_cam.quant`), and afd's endpoint protocols
+over the operators (:mod:`afd_transport_cam.endpoints`; :mod:`afd_transport_cam.emulated`
+opens a rank's connection for afd's launcher). Still to come: the binding of the real NPU
+operators and the layer-select GEMM references.
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -24,10 +24,11 @@ def add_parser(sub: Any) -> None:
     )
     transport.add_argument(
         "--backend",
-        choices=["shm", "nvshmem", "host"],
+        choices=["shm", "nvshmem", "cam-emulator", "host"],
         default="shm",
-        help="transport to measure: shm (shared memory between processes) or nvshmem (two "
-        "GPUs); host is the old name of shm",
+        help="transport to measure: shm (shared memory between processes), nvshmem (two "
+        "GPUs) or cam-emulator (the CPU emulator of Ascend CAM's operators, per layer, side "
+        "by side with shm); host is the old name of shm",
     )
     transport.add_argument("--iterations", type=int, default=2000, help="latency round trips")
     transport.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
@@ -76,6 +77,10 @@ def run_transport(args: argparse.Namespace) -> int:
         from afd_tools.bench import nvshmem_transport
 
         report = nvshmem_transport.run(args)
+    elif args.backend == "cam-emulator":
+        from afd_tools.bench import cam_transport
+
+        report = cam_transport.run(args)
     else:
         from afd_tools.bench import shm_transport
 

@@ -20,8 +20,6 @@ layer index is returned in a tensor as on the NPU, but nothing is captured).
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 
 from afd_protocol import CapacityError, InvalidArgument, ProtocolError
@@ -40,6 +38,8 @@ from afd_transport_cam.quant import quantize_per_token
 POISON_ROWS = 64
 """Rows past a receive's valid prefix filled with NaN (or 0x7F): the NPU returns
 uninitialised memory there, and poison makes an over-read visible."""
+
+_PRIME = (1 << 31) - 1
 
 _PENDING: dict[tuple[str, int], torch.Tensor] = {}
 """Per (communicator, FFN world rank): the batch info of the work item not yet answered."""
@@ -72,8 +72,11 @@ def _check_inference(*tensors: torch.Tensor) -> None:
 def routing_digest(expert_ids: torch.Tensor) -> int:
     """A 63-bit digest of a batch's routing, kept at home by dispatch-send and checked by
     combine-receive (the NPU would combine a different routing silently)."""
-    data = expert_ids.to(torch.int32).contiguous().numpy().tobytes()
-    return (expert_ids.shape[0] << 32) | zlib.crc32(data)
+    flat = expert_ids.reshape(-1).long()
+    # A position-weighted sum mod 2^31 - 1 (torch only: NumPy is not a dependency).
+    weights = (torch.arange(flat.numel(), dtype=torch.long) * 1_000_003 + 12_345) % _PRIME
+    mixed = int(((flat + 1) * weights).remainder(_PRIME).sum().remainder(_PRIME))
+    return (expert_ids.shape[0] << 32) | mixed
 
 
 # ---- dispatch-send (attention rank) -------------------------------------------------------
@@ -267,7 +270,7 @@ def afd_async_dispatch_recv(
 
     spin_until(
         ready,
-        world.spin_timeout,
+        world,
         f"FFN rank {m}: an attention replica with every member dispatched",
         lambda: _describe_ffn(window, geo),
     )
@@ -485,7 +488,7 @@ def afd_async_combine_recv(
         )
     spin_until(
         lambda: bool((mine.status != 0).all()),
-        world.spin_timeout,
+        world,
         f"attention rank {attn_rank_id}: replies from every FFN rank",
         lambda: f"status words {mine.status.tolist()} (0 = not yet sent)",
     )

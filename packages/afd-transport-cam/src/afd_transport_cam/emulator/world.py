@@ -12,9 +12,10 @@ all ranks step by step from one thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -36,6 +37,11 @@ class CamWorld(Protocol):
 
     def window(self, world_rank: int) -> torch.Tensor:
         """The flat uint8 window of ``world_rank`` (this process's own or a peer's)."""
+        ...
+
+    def check_peers(self) -> None:
+        """Raise :class:`~afd_protocol.PeerAborted` if a peer failed or died (called while
+        an operator spins, so a dead peer is reported instead of waited for)."""
         ...
 
 
@@ -62,6 +68,9 @@ class LocalCamWorld:
         if not 0 <= world_rank < len(self._windows):
             raise InvalidArgument(f"world rank {world_rank} is outside [0, {len(self._windows)})")
         return self._windows[world_rank]
+
+    def check_peers(self) -> None:
+        """Every rank lives in this process: nothing can die apart from it."""
 
 
 _WORLDS: dict[str, CamWorld] = {}
@@ -95,18 +104,43 @@ def world_for(group_name: str) -> CamWorld:
         ) from None
 
 
+_OVERRIDE = threading.local()
+PEER_CHECK_INTERVAL = 0.05
+
+
+@contextlib.contextmanager
+def spin_timeout(seconds: float) -> Iterator[None]:
+    """Within the block, this thread's operators spin at most ``seconds`` (an endpoint's
+    per-call timeout; the operators themselves take none)."""
+    previous = getattr(_OVERRIDE, "seconds", None)
+    _OVERRIDE.seconds = seconds
+    try:
+        yield
+    finally:
+        _OVERRIDE.seconds = previous
+
+
 def spin_until(
-    ready: Callable[[], bool], timeout: float, what: str, state: Callable[[], str]
+    ready: Callable[[], bool], world: CamWorld, what: str, state: Callable[[], str]
 ) -> None:
-    """Poll ``ready`` until it holds; raise :class:`PeerTimeout` after ``timeout`` seconds
-    with ``what`` and the protocol ``state`` (where the NPU would spin forever)."""
-    deadline = time.monotonic() + timeout
+    """Poll ``ready`` until it holds, checking the peers every 50 ms; raise
+    :class:`PeerTimeout` with ``what`` and the protocol ``state`` after the spin timeout
+    (where the NPU would spin forever)."""
+    override = getattr(_OVERRIDE, "seconds", None)
+    timeout = world.spin_timeout if override is None else override
+    start = time.monotonic()
+    deadline = start + timeout
+    next_check = start + PEER_CHECK_INTERVAL
     pause = 1e-5
     while not ready():
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= next_check:
+            world.check_peers()
+            next_check = now + PEER_CHECK_INTERVAL
+        if now >= deadline:
             raise PeerTimeout(
                 f"{what} did not happen within {timeout:g} s (the NPU operator would spin "
                 f"forever); state: {state()}"
             )
         time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        pause = min(pause * 2, 5e-4)

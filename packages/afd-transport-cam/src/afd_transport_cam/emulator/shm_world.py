@@ -1,0 +1,160 @@
+"""Emulated CAM windows shared between processes, one POSIX shared-memory segment per rank.
+
+Each rank creates its window (private, randomly named, see
+:mod:`afd_protocol.shm.segments`), meets the others through afd's rendezvous (which
+compares every rank's CAM geometry, the way mismatched HCCL tiling would corrupt), maps the
+opposite role's windows -- attention ranks write into FFN windows and read their own; FFN
+ranks write into attention windows -- and unlinks its name once every peer mapped it, so
+nothing is left behind whatever happens next. Memory ordering is the shared-memory
+transport's: on x86-64 a ready word stored after its payload is seen after it.
+
+After the window, each segment holds one abort word per world rank: a rank that fails
+sets its word in every peer's segment, and every spinning operator checks them, and that
+the peers' processes are alive, every 50 ms (the NPU has neither and would hang).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from afd_protocol import (
+    DirectoryStore,
+    InvalidArgument,
+    KeyValueStore,
+    PeerAborted,
+    Rendezvous,
+    Role,
+    SharedSegment,
+    Topology,
+    check_shared_memory_platform,
+)
+from afd_transport_cam.emulator.world import DEFAULT_SPIN_TIMEOUT
+from afd_transport_cam.geometry import ALIGN, CamGeometry
+
+
+def describe(geo: CamGeometry) -> dict[str, object]:
+    """What every rank of one communicator must agree on (compared at start-up)."""
+    return {
+        "cam_attn_rank_num": geo.num_attention,
+        "cam_moe_rank_num": geo.num_ffn,
+        "cam_route_expert_num_per_moe": geo.experts_per_rank,
+        "cam_top_k": geo.top_k,
+        "cam_hidden_size": geo.hidden_size,
+        "cam_max_seq_len": geo.max_seq_len,
+        "cam_tp_size": geo.tp_size,
+        "cam_dynamic_quant": geo.dynamic_quant,
+        "cam_dtype": str(geo.dtype),
+        "cam_window_bytes": geo.window_bytes,
+    }
+
+
+class ShmCamWorld:
+    """This process's view of an emulated CAM communicator across processes."""
+
+    def __init__(
+        self,
+        geo: CamGeometry,
+        role: Role | str,
+        rank: int,
+        rendezvous: str | Path | KeyValueStore,
+        *,
+        connect_timeout: float = 60.0,
+        spin_timeout: float = DEFAULT_SPIN_TIMEOUT,
+    ) -> None:
+        check_shared_memory_platform()
+        self._geo = geo
+        self._role = Role(role)
+        self._timeout = spin_timeout
+        self._closed = False
+        self._aborted = False
+        self._segment: SharedSegment | None = None
+        self._peers: dict[int, SharedSegment] = {}
+        topology = Topology(
+            geo.num_attention, geo.num_ffn, geo.num_experts, attn_ranks_per_dp=geo.tp_size
+        )
+        self.world_rank = topology.world_rank(self._role, rank)
+        self._name = f"{self._role.value} rank {rank}"
+        opposite = self._role.opposite
+        self._peer_ranks = [
+            topology.world_rank(opposite, r) for r in range(topology.num_role_ranks(opposite))
+        ]
+        store = (
+            DirectoryStore(rendezvous, timeout=connect_timeout)
+            if isinstance(rendezvous, str | Path)
+            else rendezvous
+        )
+        self._rendezvous = Rendezvous(store, topology, self._role, rank)
+        self._abort_offset = -(-geo.window_bytes // ALIGN) * ALIGN
+        size = self._abort_offset + 4 * geo.world_size
+        try:
+            self._segment = SharedSegment.create(size, tag=f"cam{self.world_rank}")
+            records = self._rendezvous.join(
+                describe(geo), self._peer_ranks, connect_timeout, segment=str(self._segment.path)
+            )
+            for peer in self._peer_ranks:
+                path = Path(records[peer].extra["segment"])
+                self._peers[peer] = SharedSegment.attach(path, size)
+            self._rendezvous.barrier("attached", self._peer_ranks, connect_timeout)
+            self._segment.unlink()  # every peer mapped it: nothing can leak from here on
+        except BaseException as exc:
+            self._rendezvous.fail(str(exc) or type(exc).__name__)
+            self.close()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return self._geo.world_size
+
+    @property
+    def spin_timeout(self) -> float:
+        return self._timeout
+
+    def _tensor(self, segment: SharedSegment | None) -> torch.Tensor:
+        if self._closed or segment is None or segment.tensor is None:
+            raise InvalidArgument(f"{self._name}: the emulated CAM windows are closed")
+        return segment.tensor
+
+    def window(self, world_rank: int) -> torch.Tensor:
+        if world_rank == self.world_rank:
+            segment = self._segment
+        elif world_rank in self._peers:
+            segment = self._peers[world_rank]
+        else:
+            raise InvalidArgument(
+                f"{self._name} maps its own window and the other role's, not world rank "
+                f"{world_rank}'s"
+            )
+        return self._tensor(segment)[: self._geo.window_bytes]
+
+    def _aborts(self, segment: SharedSegment | None) -> torch.Tensor:
+        start = self._abort_offset
+        return self._tensor(segment)[start : start + 4 * self.world_size].view(torch.int32)
+
+    def check_peers(self) -> None:
+        words = self._aborts(self._segment)
+        failed = [self._rendezvous.describe(p) for p in self._peer_ranks if int(words[p])]
+        if failed:
+            raise PeerAborted(
+                f"{self._name}: {', '.join(failed)} aborted (see their own error for the cause)"
+            )
+        self._rendezvous.check_alive(self._peer_ranks)
+
+    def abort(self) -> None:
+        """Set this rank's abort word in every peer's segment (best effort, idempotent)."""
+        if self._closed or self._aborted:
+            return
+        self._aborted = True
+        for segment in self._peers.values():
+            if segment.tensor is not None:
+                self._aborts(segment)[self.world_rank] = 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._segment is not None:
+            self._segment.close()
+        for segment in self._peers.values():
+            segment.close()
