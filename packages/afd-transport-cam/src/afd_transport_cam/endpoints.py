@@ -56,7 +56,7 @@ from afd_protocol import (
     WorkItemPart,
     torch_dtype,
 )
-from afd_transport_cam.emulator import ops
+from afd_transport_cam.binding import EMULATED, CamOperators
 from afd_transport_cam.emulator.world import spin_timeout
 from afd_transport_cam.geometry import CamGeometry
 from afd_transport_cam.quant import dequantize
@@ -98,10 +98,6 @@ def cam_geometry(layout: SlotLayout, dynamic_quant: bool = False) -> CamGeometry
     )
 
 
-_COMM_ARGS = torch.zeros(1, dtype=torch.float16)
-"""The operators' ``comm_args``: an ABI placeholder the kernels never read."""
-
-
 class _CamEndpoint:
     """What both roles share: the operators' arguments and the lifecycle."""
 
@@ -112,15 +108,20 @@ class _CamEndpoint:
         group_name: str,
         rank: int,
         options: EndpointOptions | None = None,
+        operators: CamOperators = EMULATED,
+        device: torch.device | None = None,
     ) -> None:
         self._layout = layout
         self._geo = geo
         self._group = group_name
         self._rank = rank
         self.options = options or EndpointOptions()
+        self._ops = operators
+        self._device = device or torch.device(operators.device_type)
         self._closed = False
         self._shutdown_announced = False
-        self._anchor = torch.zeros(1, dtype=geo.dtype)
+        self._anchor = torch.zeros(1, dtype=geo.dtype, device=self._device)
+        self._comm_args = torch.zeros(1, dtype=torch.float16, device=self._device)
         self._setup()
 
     def _setup(self) -> None:
@@ -197,9 +198,8 @@ class CamAttentionEndpoint(_CamEndpoint):
         ids = topk_ids.to(torch.int32)
         weights = topk_weights.float()
         if num_tokens == 0:  # CAM refuses an empty batch: one zero token stands in
-            hidden_states = torch.zeros(1, self._geo.hidden_size, dtype=self.dtype)
-            ids = torch.arange(self._geo.top_k, dtype=torch.int32).view(1, -1)
-            weights = torch.zeros(1, self._geo.top_k)
+            hidden_states, ids = self._zero_token()
+            weights = torch.zeros(1, self._geo.top_k, device=self._device)
         self._send(hidden_states, ids, layer_idx)
         self._pending = CamDispatch(
             layer=layer_idx,
@@ -211,11 +211,17 @@ class CamAttentionEndpoint(_CamEndpoint):
         )
         return self._pending
 
+    def _zero_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One zero token routed to the first ``top_k`` experts: CAM's stand-in batch."""
+        x = torch.zeros(1, self._geo.hidden_size, dtype=self.dtype, device=self._device)
+        ids = torch.arange(self._geo.top_k, dtype=torch.int32, device=self._device)
+        return x, ids.view(1, -1)
+
     def _send(self, x: torch.Tensor, ids: torch.Tensor, layer_index: int) -> None:
         g = self._geo
         hidden, top_k, moe, attn, per_moe = self._operator_args()
-        ops.afd_async_dispatch_send(
-            x, ids, _COMM_ARGS, 0, g.max_seq_len, x.shape[0], hidden, top_k, moe, attn,
+        self._ops.dispatch_send(
+            x, ids, self._comm_args, 0, g.max_seq_len, x.shape[0], hidden, top_k, moe, attn,
             per_moe, self._rank, g.world_size, layer_index, g.tp_size, int(g.dynamic_quant),
             self._group,
         )  # fmt: skip
@@ -278,8 +284,8 @@ class CamAttentionEndpoint(_CamEndpoint):
         g = self._geo
         hidden, top_k, moe, attn, per_moe = self._operator_args()
         with spin_timeout(self.options.timeout if timeout is None else timeout):
-            out = ops.afd_async_combine_recv(
-                self._anchor, pending.expert_ids, pending.weights, _COMM_ARGS, 0,
+            out: torch.Tensor = self._ops.combine_recv(
+                self._anchor, pending.expert_ids, pending.weights, self._comm_args, 0,
                 pending.expert_ids.shape[0], hidden, top_k, moe, attn, per_moe, self._rank,
                 g.world_size, self._group,
             )  # fmt: skip
@@ -293,9 +299,7 @@ class CamAttentionEndpoint(_CamEndpoint):
         self._check_open()
         if self._pending is not None:
             raise AFDError("announce_shutdown() with a dispatch in flight; combine it first")
-        zero = torch.zeros(1, self._geo.hidden_size, dtype=self.dtype)
-        any_experts = torch.arange(self._geo.top_k, dtype=torch.int32).view(1, -1)
-        self._send(zero, any_experts, SHUTDOWN_LAYER)
+        self._send(*self._zero_token(), SHUTDOWN_LAYER)
         self._shutdown_announced = True
 
     def abort(self) -> None:
@@ -339,8 +343,8 @@ class CamFFNEndpoint(_CamEndpoint):
                     raise ConnectorShutdown(
                         f"FFN rank {self._rank}: every attention replica shut down"
                     )
-                payload, scales, info, counts = ops.afd_async_dispatch_recv(
-                    self._anchor, _COMM_ARGS, 0, g.max_seq_len, hidden, top_k, moe, attn,
+                payload, scales, info, counts = self._ops.dispatch_recv(
+                    self._anchor, self._comm_args, 0, g.max_seq_len, hidden, top_k, moe, attn,
                     per_moe, g.num_attention + self._rank, g.world_size, g.tp_size,
                     int(g.dynamic_quant), self._group,
                 )  # fmt: skip
@@ -349,7 +353,7 @@ class CamFFNEndpoint(_CamEndpoint):
                     break
                 self._finished.add(replica)
                 rows = max(1, int(counts.sum()))  # the announcing token's rows, as zeros
-                self._answer(torch.zeros(rows, hidden, dtype=self.dtype), info)
+                self._answer(torch.zeros(rows, hidden, dtype=self.dtype, device=self._device), info)
         rows = int(counts.sum())
         routed = payload[:rows]
         if g.dynamic_quant:
@@ -358,7 +362,7 @@ class CamFFNEndpoint(_CamEndpoint):
             src_rank=int(info[1]),
             num_tokens=rows,
             routed_rows=routed,
-            shared_rows=torch.zeros(0, hidden, dtype=self.dtype),
+            shared_rows=torch.zeros(0, hidden, dtype=self.dtype, device=self._device),
             group_list=counts,
             layer_index=info[2:3],
         )
@@ -389,15 +393,15 @@ class CamFFNEndpoint(_CamEndpoint):
                 f"routed_out is {routed_out.dtype} but the CAM geometry carries {self.dtype}"
             )
         if not received.rows:  # CAM needs a row to send, even for an empty item
-            routed_out = torch.zeros(1, hidden, dtype=self.dtype)
+            routed_out = torch.zeros(1, hidden, dtype=self.dtype, device=self._device)
         self._answer(routed_out, received.batch_info)
         self._in_service = None
 
     def _answer(self, rows: torch.Tensor, batch_info: torch.Tensor) -> None:
         g = self._geo
         hidden, top_k, moe, attn, per_moe = self._operator_args()
-        ops.afd_async_combine_send(
-            rows, _COMM_ARGS, batch_info, 0, g.max_seq_len, hidden, top_k, moe, attn, per_moe,
+        self._ops.combine_send(
+            rows, self._comm_args, batch_info, 0, g.max_seq_len, hidden, top_k, moe, attn, per_moe,
             g.num_attention + self._rank, g.world_size, g.tp_size, self._group,
         )  # fmt: skip
 
@@ -429,6 +433,8 @@ class CamConnection:
         *,
         dynamic_quant: bool = False,
         link: CamLink | None = None,
+        operators: CamOperators = EMULATED,
+        device: torch.device | None = None,
     ) -> None:
         self._layout = layout
         self._role = Role(role)
@@ -436,6 +442,8 @@ class CamConnection:
         self._group = group_name
         self._geo = cam_geometry(layout, dynamic_quant)
         self._link = link
+        self._ops = operators
+        self._device = device or torch.device(operators.device_type)
         self._closed = False
 
     @property
@@ -452,7 +460,7 @@ class CamConnection:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._device
 
     @property
     def geometry(self) -> CamGeometry:
@@ -461,12 +469,16 @@ class CamConnection:
     def attention_endpoint(self, options: EndpointOptions | None = None) -> CamAttentionEndpoint:
         if self._role is not Role.ATTENTION:
             raise InvalidArgument(f"this is {self._role.value} rank {self._rank}'s connection")
-        return CamAttentionEndpoint(self._layout, self._geo, self._group, self._rank, options)
+        return CamAttentionEndpoint(
+            self._layout, self._geo, self._group, self._rank, options, self._ops, self._device
+        )
 
     def ffn_endpoint(self, options: EndpointOptions | None = None) -> CamFFNEndpoint:
         if self._role is not Role.FFN:
             raise InvalidArgument(f"this is {self._role.value} rank {self._rank}'s connection")
-        return CamFFNEndpoint(self._layout, self._geo, self._group, self._rank, options)
+        return CamFFNEndpoint(
+            self._layout, self._geo, self._group, self._rank, options, self._ops, self._device
+        )
 
     def abort(self) -> None:
         """Tell every peer that this rank failed (their spinning operators stop)."""
