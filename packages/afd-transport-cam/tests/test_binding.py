@@ -22,6 +22,7 @@ from afd_transport_cam.binding import (
 def test_importing_the_package_never_imports_torch_npu() -> None:
     code = (
         "import sys, afd_transport_cam.endpoints, afd_transport_cam.binding\n"
+        "import afd_transport_cam.npu, afd_transport_cam.graph_ffn\n"
         "print('torch_npu' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -82,3 +83,25 @@ def test_loaded_operators_are_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> 
 def test_the_real_operators_load_on_an_ascend_machine() -> None:
     operators = load_npu_operators()
     assert operators.device_type == "npu"
+
+
+def test_an_npu_connection_without_torch_npu_fails_before_any_side_effect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from afd_protocol import SlotLayout, Topology
+    from afd_transport_cam.npu import npu_connection
+
+    real = importlib.import_module
+
+    def no_npu(name: str, *args: object) -> object:
+        if name == "torch_npu":
+            raise ImportError("No module named 'torch_npu'")
+        return real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib, "import_module", no_npu)
+    layout = SlotLayout(Topology(2, 2, 4), 8, 16, 2, dtype="bfloat16")
+    with pytest.raises(CamUnavailable, match="need torch_npu"):
+        npu_connection(layout, "attention", 0, "tcp://127.0.0.1:29500", local_rank=0)
+    assert not dist.is_initialized()  # no process group was started
