@@ -29,7 +29,9 @@ def test_importing_the_package_never_imports_torch_npu() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_without_torch_npu_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def without_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``import torch_npu`` fail, as on any machine without the NPU stack."""
     real = importlib.import_module
 
     def no_npu(name: str, *args: object) -> object:
@@ -38,6 +40,10 @@ def test_without_torch_npu_the_error_says_what_to_install(monkeypatch: pytest.Mo
         return real(name, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(importlib, "import_module", no_npu)
+
+
+@pytest.mark.usefixtures("without_torch_npu")
+def test_without_torch_npu_the_error_says_what_to_install() -> None:
     with pytest.raises(CamUnavailable, match="need torch_npu") as failure:
         load_npu_operators()
     message = str(failure.value)
@@ -85,22 +91,13 @@ def test_the_real_operators_load_on_an_ascend_machine() -> None:
     assert operators.device_type == "npu"
 
 
-def test_an_npu_connection_without_torch_npu_fails_before_any_side_effect(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.usefixtures("without_torch_npu")
+def test_an_npu_connection_without_torch_npu_fails_before_any_side_effect() -> None:
     import torch.distributed as dist
 
     from afd_protocol import SlotLayout, Topology
     from afd_transport_cam.npu import npu_connection
 
-    real = importlib.import_module
-
-    def no_npu(name: str, *args: object) -> object:
-        if name == "torch_npu":
-            raise ImportError("No module named 'torch_npu'")
-        return real(name, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(importlib, "import_module", no_npu)
     layout = SlotLayout(Topology(2, 2, 4), 8, 16, 2, dtype="bfloat16")
     with pytest.raises(CamUnavailable, match="need torch_npu"):
         npu_connection(layout, "attention", 0, "tcp://127.0.0.1:29500", local_rank=0)
