@@ -403,3 +403,17 @@ def test_the_operators_are_registered_under_the_real_names(make_cam) -> None:  #
     )
     torch.testing.assert_close(got.double(), reference(ids, w, x), rtol=1e-5, atol=1e-5)
     assert g.world_size == 2
+
+
+def test_a_replica_is_ready_only_when_every_member_dispatched(make_cam) -> None:  # type: ignore[no-untyped-def]
+    cam = make_cam(a=2, m=1, r=2, k=1, tp=2, timeout=0.05)
+    x, ids = torch.randn(2, 8), torch.tensor([[0], [1]])
+    cam.dispatch(0, x, ids, layer=3)
+    with pytest.raises(PeerTimeout, match=r"ready words per attention rank \[3, 0\]"):
+        cam.receive(0)  # member 1 has not dispatched: the replica is not ready
+    cam.dispatch(1, 2 * x, ids, layer=3)
+    payload, _, info, counts = cam.receive(0)
+    assert info.tolist()[:5] == [4, 0, 3, 0, 1]
+    # Expert-major, then member: expert 0 gets member 0's token 0, then member 1's.
+    torch.testing.assert_close(payload[:4], torch.stack([x[0], 2 * x[0], x[1], 2 * x[1]]))
+    assert counts.tolist() == [2, 2]
