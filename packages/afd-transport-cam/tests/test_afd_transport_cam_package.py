@@ -10,8 +10,8 @@ def test_version_matches_installed_distribution() -> None:
     assert afd_transport_cam.__version__ == distribution("afd-transport-cam").version
 
 
-def test_declares_that_it_is_not_implemented_yet() -> None:
-    assert afd_transport_cam.IMPLEMENTED is False
+def test_declares_that_it_is_implemented() -> None:
+    assert afd_transport_cam.IMPLEMENTED is True
 
 
 def test_ships_type_information() -> None:

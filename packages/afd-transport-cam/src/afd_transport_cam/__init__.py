@@ -1,13 +1,15 @@
 """Ascend CAM transport for afd.
 
-In progress. Done: a CPU emulator of CAM's compact routed-only communication operators
-(:mod:`afd_transport_cam.emulator`: the four operators with their published schemas and
-semantics, registered as ``torch.ops.afd_ascend.*``, over windows in this process or shared
-between processes), their window geometry (:mod:`afd_transport_cam.geometry`), the
-per-token int8 quantisation (:mod:`afd_transport_cam.quant`), and afd's endpoint protocols
-over the operators (:mod:`afd_transport_cam.endpoints`; :mod:`afd_transport_cam.emulated`
-opens a rank's connection for afd's launcher). Still to come: the binding of the real NPU
-operators and the layer-select GEMM references.
+Done (tested on CPU; never run on an NPU): a CPU emulator of CAM's compact routed-only
+communication operators (:mod:`afd_transport_cam.emulator`: the four operators with their
+published schemas and semantics, registered as ``torch.ops.afd_ascend.*``, over windows in
+this process or shared between processes), their window geometry
+(:mod:`afd_transport_cam.geometry`), the per-token int8 quantisation
+(:mod:`afd_transport_cam.quant`), afd's endpoint protocols over the operators
+(:mod:`afd_transport_cam.endpoints`; :mod:`afd_transport_cam.emulated` opens a rank's
+connection for afd's launcher), the graph-mode FFN loop (:mod:`afd_transport_cam.graph_ffn`),
+the layer-select GEMM references (:mod:`afd_transport_cam.emulator.gemm`) and the lazy
+binding of the real operators (:mod:`afd_transport_cam.binding`, :mod:`afd_transport_cam.npu`).
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -17,5 +19,6 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-IMPLEMENTED = False
-"""False until this package provides its functionality; callers can check it."""
+IMPLEMENTED = True
+"""This package provides its functionality (on CPU through the emulator; the real NPU
+operators load through :func:`afd_transport_cam.binding.load_npu_operators`)."""
