@@ -1,0 +1,165 @@
+"""The NVSHMEM transport's waits, abort and teardown, driven on the CPU by a fake library.
+
+CI has no GPU, so the transport's constructor (CUDA context, NVSHMEM heap) cannot run
+here; but what it decides afterwards -- when a host wait returns, times out or reports an
+aborted peer, what ``abort`` tells the peers, and whether ``close`` may call NVSHMEM's
+collective teardown (only when every rank reached ``close``; never after an abort or when
+a peer failed, which would wait forever) -- depends only on the window words, the
+rendezvous and the library. :func:`transport` builds the object the constructor would
+leave behind, on CPU tensors, with a recording fake library and a scriptable rendezvous,
+and the tests drive those methods. The GPU suite covers the same paths on real windows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from afd_protocol import PeerAborted, PeerTimeout, Role, SlotLayout, Topology
+from afd_protocol.window import abort_words, flag_words
+from afd_transport_nvshmem.transport import NvshmemOptions, NvshmemTransport
+
+
+class FakeLibrary:
+    """Records the NVSHMEM calls the transport makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def barrier_all(self) -> None:
+        self.calls.append(("barrier_all",))
+
+    def free(self, address: int) -> None:
+        self.calls.append(("free", address))
+
+    def finalize(self) -> None:
+        self.calls.append(("finalize",))
+
+
+class FakeRendezvous:
+    """The rendezvous calls the transport makes after start-up, scriptable per test."""
+
+    def __init__(self, world_rank: int) -> None:
+        self.world_rank = world_rank
+        self.failed: list[str] = []
+        self.barriers: list[tuple[str, tuple[int, ...]]] = []
+        self.alive_checks = 0
+        self.barrier_error: BaseException | None = None
+        self.dead: str | None = None
+
+    def barrier(self, name: str, peers: list[int], timeout: float | None) -> None:
+        self.barriers.append((name, tuple(peers)))
+        if self.barrier_error is not None:
+            raise self.barrier_error
+
+    def check_alive(self, peers: list[int]) -> None:
+        self.alive_checks += 1
+        if self.dead is not None:
+            raise PeerAborted(self.dead)
+
+    def fail(self, reason: str) -> None:
+        self.failed.append(reason)
+
+
+class FakeStream:
+    def synchronize(self) -> None:
+        """Nothing is queued on a CPU."""
+
+
+@pytest.fixture(autouse=True)
+def cpu_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stream contexts and device syncs are no-ops for windows on the CPU."""
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def transport(role: Role = Role.ATTENTION, rank: int = 0) -> tuple[NvshmemTransport, dict]:  # type: ignore[type-arg]
+    """What ``NvshmemTransport.__init__`` leaves behind, on CPU windows (module docstring);
+    returns the transport and its fakes, with every rank's window."""
+    topo = Topology(1, 2, 4)
+    window = SlotLayout(topo, 8, 4, 2, dtype="float32").window()
+    t = NvshmemTransport.__new__(NvshmemTransport)
+    NvshmemTransport.__bases__[0].__init__(t, window, role, rank)  # WindowTransport
+    world = topo.world_rank(role, rank)
+    local = torch.zeros(window.total_bytes, dtype=torch.uint8)
+    peers = [torch.zeros(window.total_bytes, dtype=torch.uint8) for _ in range(t.num_peers)]
+    fakes = {"lib": FakeLibrary(), "rdv": FakeRendezvous(world), "local": local, "peers": peers}
+    t.__dict__.update(
+        options=NvshmemOptions(wait="host"),
+        _device=torch.device("cpu"),
+        _name=f"{role.value} rank {rank}",
+        _closed=False,
+        _aborted=False,
+        _heap_address=0x1000,
+        _lib=fakes["lib"],
+        _rendezvous=fakes["rdv"],
+        _peer_world=[topo.world_rank(role.opposite, p) for p in range(t.num_peers)],
+        _liveness_interval=0.01,
+        _local=local,
+        _peer_windows=peers,
+        _flags=flag_words(local, window),
+        _aborts=abort_words(local, window),
+        _peer_flags=[flag_words(p, window) for p in peers],
+        _peer_aborts=[abort_words(p, window) for p in peers],
+        _memops=False,
+        _poll_stream=None,
+        _abort_stream=FakeStream(),
+        _waiter=None,
+    )
+    return t, fakes
+
+
+def test_a_host_wait_returns_what_changed_and_checks_liveness() -> None:
+    t, fakes = transport()
+    t._flags[1] = 7  # FFN rank 1's reply flag (one ring slot per FFN rank)
+    arrivals = t.wait_any([0, 1], [0, 0], timeout=1.0, peers=[0, 1])
+    assert arrivals.values == [0, 7]
+    with pytest.raises(PeerTimeout, match=r"attention rank 0: nothing arrived within 0\.05 s"):
+        t.wait_any([0, 1], [0, 7], timeout=0.05, peers=[0, 1])
+    assert fakes["rdv"].alive_checks >= 1  # checked every liveness interval while waiting
+    fakes["rdv"].dead = "ffn rank 1 (pid 42) exited"
+    with pytest.raises(PeerAborted, match="pid 42"):  # within one interval, not the timeout
+        t.wait_any([1], [7], timeout=30.0, peers=[1])
+
+
+def test_an_aborted_peer_ends_a_wait_naming_it() -> None:
+    t, _ = transport()
+    t._aborts[1] = 1
+    with pytest.raises(PeerAborted, match=r"ffn rank\(s\) \[1\] aborted"):
+        t.wait_any([0], [0], timeout=1.0, peers=[0, 1])
+    # A wait that does not watch the aborted peer is not ended by it.
+    with pytest.raises(PeerTimeout):
+        t.wait_any([0], [0], timeout=0.02, peers=[0])
+
+
+def test_abort_reaches_every_peer_once_and_close_then_skips_the_teardown() -> None:
+    t, fakes = transport(Role.FFN, 1)
+    t.abort()
+    t.abort()  # idempotent
+    for peer in fakes["peers"]:
+        assert abort_words(peer, t.window)[1] == 1  # this rank's word in every peer window
+    assert fakes["rdv"].failed == ["aborted"]  # peers at a barrier stop waiting for it
+    t.close()
+    assert fakes["lib"].calls == []  # no collective teardown a dead peer would hang in
+    assert fakes["rdv"].barriers == []
+
+
+def test_a_clean_close_waits_for_everyone_then_tears_down_once() -> None:
+    t, fakes = transport()
+    t.close()
+    t.close()  # idempotent
+    assert fakes["rdv"].barriers == [("close", (1, 2))]  # every other world rank
+    assert fakes["lib"].calls == [("barrier_all",), ("free", 0x1000), ("finalize",)]
+    assert t._heap_address == 0
+    t.abort()  # after close: nothing to tell, nothing raised
+    assert fakes["rdv"].failed == []
+
+
+def test_close_when_a_peer_failed_leaves_the_teardown_to_process_exit() -> None:
+    t, fakes = transport()
+    fakes["rdv"].barrier_error = PeerAborted("ffn rank 0 failed")
+    t.close()  # returns instead of waiting in NVSHMEM for a rank that will never come
+    assert fakes["lib"].calls == []
