@@ -57,6 +57,14 @@ for _struct, _size in STRUCT_SIZES.items():
     assert ctypes.sizeof(_struct) == _size, f"{_struct.__name__} must be {_size} bytes"
 
 
+SIGNAL_SET = 9
+"""``NVSHMEM_SIGNAL_SET``: a put-with-signal stores its value into the signal word."""
+SIGNAL_ADD = 10
+"""``NVSHMEM_SIGNAL_ADD``: a put-with-signal adds its value to the signal word."""
+CMP_GE = 5
+"""``NVSHMEM_CMP_GE``: a signal wait ends when the word is >= the value."""
+
+
 def version_word(struct: type[ctypes.Structure]) -> int:
     return (1 << 16) + ctypes.sizeof(struct)
 
@@ -103,6 +111,30 @@ EXPORTED_FUNCTIONS: tuple[Function, ...] = (
     Function("nvshmem_barrier_all", None, ()),
     # void nvshmemx_vendor_get_version_info(int *major, int *minor, int *patch)
     Function("nvshmemx_vendor_get_version_info", None, (_int_p, _int_p, _int_p)),
+    # void nvshmemx_putmem_signal_on_stream(void *dest, const void *source, size_t nelems,
+    #                                       uint64_t *sig_addr, uint64_t signal, int sig_op,
+    #                                       int pe, cudaStream_t cstrm)
+    Function(
+        "nvshmemx_putmem_signal_on_stream",
+        None,
+        (
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ),
+    ),
+    # void nvshmemx_signal_wait_until_on_stream(uint64_t *sig_addr, int cmp,
+    #                                           uint64_t cmp_value, cudaStream_t cstream)
+    Function(
+        "nvshmemx_signal_wait_until_on_stream",
+        None,
+        (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p),
+    ),
 )
 """Every entry point afd uses, with the C prototype it binds (from NVSHMEM's headers)."""
 
@@ -194,3 +226,39 @@ class NvshmemLibrary:
 
     def barrier_all(self) -> None:
         self._fn["nvshmem_barrier_all"]()
+
+    def putmem_signal_on_stream(
+        self,
+        dest: int,
+        source: int,
+        nbytes: int,
+        signal_address: int,
+        signal: int,
+        signal_op: int,
+        pe: int,
+        stream: int,
+    ) -> None:
+        """Enqueue on ``stream``: copy ``nbytes`` from ``source`` to the symmetric ``dest`` of
+        PE ``pe``, then update its 64-bit ``signal_address`` (``signal_op``: SIGNAL_SET or
+        SIGNAL_ADD) once the data is there -- the put path that works where peer memory is
+        not mapped (between nodes). Addresses are raw device pointers; ``stream`` a
+        ``cudaStream_t`` (``torch.cuda.Stream.cuda_stream``)."""
+        self._fn["nvshmemx_putmem_signal_on_stream"](
+            ctypes.c_void_p(dest),
+            ctypes.c_void_p(source),
+            nbytes,
+            ctypes.c_void_p(signal_address),
+            signal,
+            signal_op,
+            pe,
+            ctypes.c_void_p(stream),
+        )
+
+    def signal_wait_until_on_stream(
+        self, signal_address: int, comparison: int, value: int, stream: int
+    ) -> None:
+        """Enqueue on ``stream`` a wait until this PE's 64-bit ``signal_address`` compares
+        true (``comparison``, e.g. CMP_GE) with ``value``."""
+        self._fn["nvshmemx_signal_wait_until_on_stream"](
+            ctypes.c_void_p(signal_address), comparison, value, ctypes.c_void_p(stream)
+        )
