@@ -31,6 +31,7 @@ from afd_protocol.core.endpoints import (
     DispatchHandle,
     EndpointOptions,
     FFNEndpoint,
+    check_dispatch_inputs,
 )
 from afd_protocol.core.errors import (
     AFDError,
@@ -162,6 +163,7 @@ __all__ = [
     "WorkItemKey",
     "WorkItemPart",
     "__version__",
+    "check_dispatch_inputs",
     "check_same_geometry",
     "check_shared_memory_platform",
     "checksum",

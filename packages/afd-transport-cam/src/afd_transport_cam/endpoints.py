@@ -42,7 +42,6 @@ import torch
 
 from afd_protocol import (
     AFDError,
-    CapacityError,
     ConnectorShutdown,
     EndpointOptions,
     InvalidArgument,
@@ -54,6 +53,7 @@ from afd_protocol import (
     WorkItem,
     WorkItemKey,
     WorkItemPart,
+    check_dispatch_inputs,
     torch_dtype,
 )
 from afd_transport_cam.binding import EMULATED, CamOperators
@@ -234,42 +234,16 @@ class CamAttentionEndpoint(_CamEndpoint):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> int:
-        g = self._geo
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != g.hidden_size:
-            raise InvalidArgument(
-                f"hidden_states must be [num_tokens, {g.hidden_size}], got "
-                f"{tuple(hidden_states.shape)}"
-            )
-        if hidden_states.dtype != self.dtype:
-            raise InvalidArgument(
-                f"hidden_states are {hidden_states.dtype} but the CAM geometry carries "
-                f"{self.dtype}; cast them first"
-            )
+        """afd's dispatch contract, the batch capacity, and CAM's reserved layer index."""
+        args = (layer_idx, stage, hidden_states, topk_ids, topk_weights)
+        check_dispatch_inputs(self._layout, self.options, self._device, "CAM connection", *args)
         num_tokens = hidden_states.shape[0]
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-            raise InvalidArgument(f"topk_ids must hold integer expert ids, got {topk_ids.dtype}")
-        if tuple(topk_ids.shape) != (num_tokens, g.top_k) or topk_weights.shape != topk_ids.shape:
+        self._layout.check_capacity(num_tokens)
+        if layer_idx >= SHUTDOWN_LAYER:
             raise InvalidArgument(
-                f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
-                f"{tuple(topk_weights.shape)} must be [{num_tokens}, top_k={g.top_k}]"
+                f"layer_idx {layer_idx} is at or above {SHUTDOWN_LAYER}, the layer index CAM's "
+                f"endpoints reserve for announcing shutdown"
             )
-        if not topk_weights.dtype.is_floating_point:
-            raise InvalidArgument(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        if hidden_states.requires_grad:
-            raise InvalidArgument("hidden_states requires grad; dispatch under no_grad")
-        if num_tokens > self._layout.token_cap:
-            raise CapacityError(
-                f"batch of {num_tokens} tokens exceeds token_cap={self._layout.token_cap} "
-                f"(max_num_batched_tokens); split the batch or raise max_num_batched_tokens"
-            )
-        if not 0 <= layer_idx < SHUTDOWN_LAYER or stage < 0:
-            raise InvalidArgument(f"layer_idx and stage must be >= 0, got {layer_idx}, {stage}")
-        for name, limit, value in (
-            ("num_layers", self.options.num_layers, layer_idx),
-            ("num_stages", self.options.num_stages, stage),
-        ):
-            if limit is not None and value >= limit:
-                raise InvalidArgument(f"{value} is outside [0, {name}={limit})")
         return num_tokens
 
     def combine(self, handle: object, timeout: float | None = None) -> torch.Tensor:

@@ -28,6 +28,8 @@ import torch
 
 from afd_protocol.core.errors import InvalidArgument
 from afd_protocol.core.layout import SharedPlacement, SlotLayout
+from afd_protocol.core.plan import check_topk, check_topk_ids
+from afd_protocol.core.tensors import torch_dtype
 from afd_protocol.core.topology import Role
 from afd_protocol.core.workitem import WorkItem
 
@@ -193,6 +195,69 @@ class FFNEndpoint(Protocol):
         """Release this endpoint; the connection stays open (idempotent, never raises)."""
 
 
+def check_dispatch_inputs(
+    layout: SlotLayout,
+    options: EndpointOptions,
+    device: torch.device,
+    carrier: str,
+    layer_idx: int,
+    stage: int,
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> None:
+    """Raise :class:`InvalidArgument` unless ``dispatch``'s inputs meet the contract of
+    :meth:`AttentionEndpoint.dispatch` for ``layout`` and ``options`` (``carrier`` names what
+    carries the rows in the messages, e.g. "window"). Every endpoint calls this first, so the
+    same mistake gets the same message whatever the backend."""
+    hidden = layout.hidden_size
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
+        raise InvalidArgument(
+            f"hidden_states must be [num_tokens, {hidden}], got {tuple(hidden_states.shape)}"
+        )
+    dtype = torch_dtype(layout.dtype)
+    if hidden_states.dtype != dtype:
+        raise InvalidArgument(
+            f"hidden_states are {hidden_states.dtype} but the {carrier} carries {dtype}; "
+            f"cast them or configure dtype={str(hidden_states.dtype).removeprefix('torch.')}"
+        )
+    check_topk_ids(topk_ids)
+    if (
+        tuple(topk_weights.shape) != tuple(topk_ids.shape)
+        or topk_ids.shape[:1] != hidden_states.shape[:1]
+    ):
+        raise InvalidArgument(
+            f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)} and "
+            f"hidden_states {tuple(hidden_states.shape)} must agree on [num_tokens, topk]"
+        )
+    check_topk(topk_ids.shape[1], layout)
+    if not topk_weights.dtype.is_floating_point:
+        raise InvalidArgument(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if layer_idx < 0 or stage < 0:
+        raise InvalidArgument(f"layer_idx and stage must be >= 0, got {layer_idx}, {stage}")
+    for name, limit, value in (
+        ("num_layers", options.num_layers, layer_idx),
+        ("num_stages", options.num_stages, stage),
+    ):
+        if limit is not None and value >= limit:
+            raise InvalidArgument(f"{value} is outside [0, {name}={limit})")
+    for name, tensor in (
+        ("hidden_states", hidden_states),
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+    ):
+        if tensor.device != device:
+            raise InvalidArgument(
+                f"{name} is on {tensor.device} but this transport's {carrier} is on {device}; "
+                f"move the inputs there first"
+            )
+    if hidden_states.requires_grad:
+        raise InvalidArgument(
+            "hidden_states requires grad; dispatch under torch.inference_mode() or "
+            "torch.no_grad() (the wire carries values, not autograd history)"
+        )
+
+
 class Connection(Protocol):
     """One rank's open link to the opposite role; it makes this rank's endpoint.
 
@@ -233,4 +298,5 @@ __all__ = [
     "DispatchHandle",
     "EndpointOptions",
     "FFNEndpoint",
+    "check_dispatch_inputs",
 ]

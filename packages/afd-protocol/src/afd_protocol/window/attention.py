@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd_protocol.core.endpoints import DispatchHandle, EndpointOptions
+from afd_protocol.core.endpoints import DispatchHandle, EndpointOptions, check_dispatch_inputs
 from afd_protocol.core.errors import (
     AFDError,
     ConnectorShutdown,
@@ -37,8 +37,6 @@ from afd_protocol.core.layout import CombineReduce
 from afd_protocol.core.plan import (
     DispatchPlan,
     WireOrder,
-    check_topk,
-    check_topk_ids,
     combine_reduced,
     combine_scatter,
     new_accumulator,
@@ -158,7 +156,17 @@ class WindowAttentionEndpoint(WindowEndpoint):
         self._check_open()
         if self._shutdown_announced:
             raise ConnectorShutdown("dispatch after announce_shutdown()")
-        self._check_inputs(layer_idx, stage, hidden_states, topk_ids, topk_weights)
+        check_dispatch_inputs(
+            self._slot,
+            self.options,
+            self._transport.device,
+            "window",
+            layer_idx,
+            stage,
+            hidden_states,
+            topk_ids,
+            topk_weights,
+        )
         plan = self._plan(topk_ids)
         if not self._free_rings:
             raise RingExhausted(
@@ -188,61 +196,6 @@ class WindowAttentionEndpoint(WindowEndpoint):
             raise
         self._in_flight[ring] = handle
         return handle
-
-    def _check_inputs(
-        self,
-        layer_idx: int,
-        stage: int,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> None:
-        hidden = self._slot.hidden_size
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
-            raise InvalidArgument(
-                f"hidden_states must be [num_tokens, {hidden}], got {tuple(hidden_states.shape)}"
-            )
-        if hidden_states.dtype != self.dtype:
-            raise InvalidArgument(
-                f"hidden_states are {hidden_states.dtype} but the window carries {self.dtype}; "
-                f"cast them or configure dtype={str(hidden_states.dtype).removeprefix('torch.')}"
-            )
-        check_topk_ids(topk_ids)
-        if (
-            tuple(topk_weights.shape) != tuple(topk_ids.shape)
-            or topk_ids.shape[:1] != hidden_states.shape[:1]
-        ):
-            raise InvalidArgument(
-                f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)} and "
-                f"hidden_states {tuple(hidden_states.shape)} must agree on [num_tokens, topk]"
-            )
-        check_topk(topk_ids.shape[1], self._slot)
-        if not topk_weights.dtype.is_floating_point:
-            raise InvalidArgument(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        if layer_idx < 0 or stage < 0:
-            raise InvalidArgument(f"layer_idx and stage must be >= 0, got {layer_idx}, {stage}")
-        for name, limit, value in (
-            ("num_layers", self.options.num_layers, layer_idx),
-            ("num_stages", self.options.num_stages, stage),
-        ):
-            if limit is not None and value >= limit:
-                raise InvalidArgument(f"{value} is outside [0, {name}={limit})")
-        device = self._transport.device
-        for name, tensor in (
-            ("hidden_states", hidden_states),
-            ("topk_ids", topk_ids),
-            ("topk_weights", topk_weights),
-        ):
-            if tensor.device != device:
-                raise InvalidArgument(
-                    f"{name} is on {tensor.device} but this transport's window is on {device}; "
-                    f"move the inputs there first"
-                )
-        if hidden_states.requires_grad:
-            raise InvalidArgument(
-                "hidden_states requires grad; dispatch under torch.inference_mode() or "
-                "torch.no_grad() (the wire carries values, not autograd history)"
-            )
 
     def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
         """The dispatch plan (capacities checked here, before any ring is taken)."""
