@@ -102,7 +102,7 @@ from afd_protocol.core.workitem import (
     WorkItemPart,
     reference_reduce_partials,
 )
-from afd_protocol.shm.segments import SharedSegment
+from afd_protocol.shm.segments import SharedSegment, share_segments
 from afd_protocol.shm.segments import check_platform as check_shared_memory_platform
 
 try:
@@ -183,5 +183,6 @@ __all__ = [
     "reference_reduce_partials",
     "relative_error",
     "serve",
+    "share_segments",
     "torch_dtype",
 ]

@@ -19,12 +19,13 @@ import platform
 import secrets
 import stat
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from afd_protocol.core.errors import AFDError
+from afd_protocol.core.rendezvous import Rendezvous
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "afd-"
@@ -114,3 +115,35 @@ def remove_segments(paths: Iterable[str | Path]) -> list[Path]:
 def leftover_segments() -> list[Path]:
     """afd segments currently present in /dev/shm (for tests and diagnostics)."""
     return sorted(SHM_DIR.glob(f"{PREFIX}*")) if SHM_DIR.is_dir() else []
+
+
+def share_segments(
+    rendezvous: Rendezvous,
+    size: int,
+    geometry: Mapping[str, object],
+    peers: Sequence[int],
+    timeout: float,
+) -> tuple[SharedSegment, dict[int, SharedSegment]]:
+    """Create this rank's segment, map every peer's, and drop the name once all mapped.
+
+    The rendezvous compares ``geometry`` with every peer's (``peers``: world ranks) and
+    carries each segment's path; after the ``attached`` barrier nothing can leak (module
+    docstring). On any failure this rank's failure is published, everything mapped so far is
+    released, and the error propagates. Returns ``(own, {peer world rank: segment})``.
+    """
+    own: SharedSegment | None = None
+    attached: dict[int, SharedSegment] = {}
+    try:
+        own = SharedSegment.create(size, tag=f"w{rendezvous.world_rank}")
+        records = rendezvous.join(geometry, peers, timeout, segment=str(own.path))
+        for peer in peers:
+            attached[peer] = SharedSegment.attach(Path(records[peer].extra["segment"]), size)
+        rendezvous.barrier("attached", peers, timeout)
+        own.unlink()  # every peer mapped it: from here on the mappings own the memory
+    except BaseException as exc:
+        rendezvous.fail(str(exc) or type(exc).__name__)
+        for segment in (own, *attached.values()):
+            if segment is not None:
+                segment.close()
+        raise
+    return own, attached

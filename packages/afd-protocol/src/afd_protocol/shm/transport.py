@@ -46,7 +46,7 @@ from afd_protocol.core.layout import WindowLayout
 from afd_protocol.core.rendezvous import DirectoryStore, KeyValueStore, Rendezvous
 from afd_protocol.core.tensors import constant_index
 from afd_protocol.core.topology import Role
-from afd_protocol.shm.segments import SharedSegment, check_platform
+from afd_protocol.shm.segments import SharedSegment, check_platform, share_segments
 from afd_protocol.window.transport import Arrivals, WindowTransport
 from afd_protocol.window.views import abort_words, flag_words
 
@@ -98,24 +98,10 @@ class ShmTransport(WindowTransport):
         self._rendezvous = rdv
         peer_role = self.role.opposite
         self._peer_world = [topo.world_rank(peer_role, r) for r in range(self.num_peers)]
-        try:
-            self._segment = SharedSegment.create(window.total_bytes, tag=f"w{rdv.world_rank}")
-            records = rdv.join(
-                window.describe(),
-                self._peer_world,
-                connect_timeout,
-                segment=str(self._segment.path),
-            )
-            for w in self._peer_world:
-                path = Path(records[w].extra["segment"])
-                self._peer_segments.append(SharedSegment.attach(path, window.total_bytes))
-            rdv.barrier("attached", self._peer_world, connect_timeout)
-            # Every peer has mapped our window: drop the name so nothing can leak.
-            self._segment.unlink()
-        except BaseException as exc:
-            rdv.fail(str(exc) or type(exc).__name__)
-            self.close()
-            raise
+        self._segment, attached = share_segments(
+            rdv, window.total_bytes, window.describe(), self._peer_world, connect_timeout
+        )
+        self._peer_segments = [attached[w] for w in self._peer_world]
         local = self._segment.tensor
         assert local is not None
         self._local = local

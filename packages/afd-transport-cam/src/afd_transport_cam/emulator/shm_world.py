@@ -29,6 +29,7 @@ from afd_protocol import (
     SharedSegment,
     Topology,
     check_shared_memory_platform,
+    share_segments,
 )
 from afd_transport_cam.emulator.world import DEFAULT_SPIN_TIMEOUT
 from afd_transport_cam.geometry import ALIGN, CamGeometry
@@ -69,8 +70,6 @@ class ShmCamWorld:
         self._timeout = spin_timeout
         self._closed = False
         self._aborted = False
-        self._segment: SharedSegment | None = None
-        self._peers: dict[int, SharedSegment] = {}
         topology = Topology(
             geo.num_attention, geo.num_ffn, geo.num_experts, attn_ranks_per_dp=geo.tp_size
         )
@@ -88,20 +87,9 @@ class ShmCamWorld:
         self._rendezvous = Rendezvous(store, topology, self._role, rank)
         self._abort_offset = -(-geo.window_bytes // ALIGN) * ALIGN
         size = self._abort_offset + 4 * geo.world_size
-        try:
-            self._segment = SharedSegment.create(size, tag=f"cam{self.world_rank}")
-            records = self._rendezvous.join(
-                describe(geo), self._peer_ranks, connect_timeout, segment=str(self._segment.path)
-            )
-            for peer in self._peer_ranks:
-                path = Path(records[peer].extra["segment"])
-                self._peers[peer] = SharedSegment.attach(path, size)
-            self._rendezvous.barrier("attached", self._peer_ranks, connect_timeout)
-            self._segment.unlink()  # every peer mapped it: nothing can leak from here on
-        except BaseException as exc:
-            self._rendezvous.fail(str(exc) or type(exc).__name__)
-            self.close()
-            raise
+        self._segment, self._peers = share_segments(
+            self._rendezvous, size, describe(geo), self._peer_ranks, connect_timeout
+        )
 
     @property
     def world_size(self) -> int:
