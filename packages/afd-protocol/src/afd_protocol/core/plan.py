@@ -413,7 +413,8 @@ def plan_on_device(
     num_experts = placement.num_experts
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
-    keys = wire_table(placement, device).index_select(0, flat.clamp(0, num_experts - 1))
+    clamped = flat.clamp(0, num_experts - 1)
+    keys = wire_table(placement, device).index_select(0, clamped)
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.index_add_(0, keys, _one(device).expand(keys.numel()))
     if per_partial_order:
@@ -428,7 +429,7 @@ def plan_on_device(
         bounds = torch.zeros(2, dtype=torch.long, device=device)
     token_rows = token_row_offsets = None
     if WireFormat(wire_format) is WireFormat.PER_RANK:
-        hits = _rank_hits(flat.clamp(0, num_experts - 1), placement, num_tokens, topk)
+        hits = _rank_hits(clamped, placement, num_tokens, topk)
         running = hits.long().cumsum(0)
         token_rows = torch.where(hits, running - 1, -1)
         rows = (

@@ -95,6 +95,9 @@ class WindowAttentionEndpoint(WindowEndpoint):
         super().__init__(transport, options)
 
     def _setup(self) -> None:
+        self._reduced_replies = self._slot.per_rank and (
+            self._slot.combine_reduce is CombineReduce.FFN
+        )
         self._check_kernel_options()
         transport = self._transport
         self._reply_limits = [
@@ -119,9 +122,6 @@ class WindowAttentionEndpoint(WindowEndpoint):
         self._free_rings = list(rings)
         self._in_flight: dict[int, WindowDispatch] = {}
         self._publish_to_all = self._topology.attn_ranks_per_dp > 1
-        self._reduced_replies = self._slot.per_rank and (
-            self._slot.combine_reduce is CombineReduce.FFN
-        )
 
     def _check_kernel_options(self) -> None:
         """Refuse options that need device kernels: this endpoint has none."""

@@ -24,7 +24,6 @@ import torch
 from afd_protocol.core.endpoints import EndpointOptions
 from afd_protocol.core.errors import InvalidArgument
 from afd_protocol.core.header import HEADER_FIXED_WORDS, encode_words
-from afd_protocol.core.layout import CombineReduce
 from afd_protocol.core.plan import (
     DevicePlan,
     DispatchPlan,
@@ -62,7 +61,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         kernels = self._kernels
         transport = self._transport
         # Replies reduced on the FFN side need no weighting: the portable sum is all there is.
-        self._fused = self.options.combine != "portable" and not self._reduced_replies_layout()
+        self._fused = self.options.combine != "portable" and not self._reduced_replies
         wanted = self.options.device_pack
         if wanted is None:  # auto: wherever the kernels can, unless the combine is portable
             wanted = self.options.combine != "portable"
@@ -93,6 +92,9 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         self._readback = PinnedReadback(device)
         placement = self._topology.expert_placement
         self._crc_base, self._crc_columns = crc_tables(placement, device)
+        # The weights of replies reduced on the FFN side, made once (not per layer).
+        unit = (self._slot.token_cap, self._topology.num_ffn_ranks)
+        self._unit_weights = torch.ones(unit, dtype=torch.float32, device=device)
         self._expert_owner = constant_index(placement.owner, device).to(torch.int32)
         self._expert_local_id = constant_index(placement.local_id, device).to(torch.int32)
 
@@ -102,14 +104,11 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 f"device_pack=True, but the kernels of {type(self._transport).__name__} have no "
                 f"device pack; use device_pack=None (auto) or False"
             )
-        if self.options.combine == "fused" and self._reduced_replies_layout():
+        if self.options.combine == "fused" and self._reduced_replies:
             raise InvalidArgument(
                 "combine='fused' weights per-partial replies, but with combine_reduce='ffn' "
                 "the FFN side already did; use combine='auto' or 'portable'"
             )
-
-    def _reduced_replies_layout(self) -> bool:
-        return self._slot.per_rank and self._slot.combine_reduce is CombineReduce.FFN
 
     def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
         if self._packs_on_device(topk_ids):
@@ -119,7 +118,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 self._topology,
                 slot.shared_placement,
                 slot.wire_format,
-                per_partial_order=not self._reduced_replies_layout(),
+                per_partial_order=not self._reduced_replies,
             )
         return super()._plan(topk_ids)
 
@@ -139,7 +138,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         if isinstance(plan, DevicePlan):
             self._send_packed(handle, plan, hidden_states)
             handle.device_segments = plan.segment_offsets
-            if self._reduced_replies_layout():
+            if self._reduced_replies:
                 handle.device_segments = plan.token_row_offsets
                 plan.token_row_positions  # noqa: B018 - computed while the FFN ranks work
                 return
@@ -212,15 +211,10 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 check_expert_bounds(low, high, self._topology.num_experts)
         if handle.device_segments is None:
             return super()._combine_arrived(handle)
-        if isinstance(plan, DevicePlan) and self._reduced_replies_layout():
+        if isinstance(plan, DevicePlan) and self._reduced_replies:
             # One reply row per (token, FFN rank), already weighted: unit weights.
             wire_position = plan.token_row_positions
-            weights = torch.ones(
-                plan.num_tokens,
-                self._topology.num_ffn_ranks,
-                dtype=torch.float32,
-                device=wire_position.device,
-            )
+            weights = self._unit_weights[: plan.num_tokens]
         else:
             wire_position, weights = plan.wire_position, handle.topk_weights
         return self._kernels.fused_combine(

@@ -514,8 +514,8 @@ def _occurrence(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     its place among the expert's rows, which the address table lists in that order."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    starts = torch.bincount(flat, minlength=num_experts).cumsum(0)
-    starts = starts - torch.bincount(flat, minlength=num_experts)
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    starts = per_expert.cumsum(0) - per_expert
     place = torch.empty_like(flat)
     place[order] = torch.arange(flat.numel()) - starts[flat[order]]
     return place.view_as(ids)
