@@ -16,10 +16,15 @@ from typing import Any
 
 import torch
 
-from afd_protocol import CombineReduce, Role, SlotLayout, Topology, WireFormat
-from afd_protocol.launch import RankSpec, TransportFactory, launch, shm_transport
-from afd_tools.bench.identity_ffn import serve_identity
-from afd_tools.bench.shm_transport import EXPERTS, HIDDEN, LAYER_TOKENS, TOPK, _layer_attention
+from afd_protocol.launch import TransportFactory, launch, shm_transport
+from afd_tools.bench.shm_transport import (
+    EXPERTS,
+    HIDDEN,
+    LAYER_TOKENS,
+    TOPK,
+    layer_slot,
+    layer_specs,
+)
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -27,16 +32,7 @@ def run(args: Any) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     tokens = [t for t in LAYER_TOKENS if t <= args.max_tokens]
-    topo = Topology(2, 2, EXPERTS)
-    slot = SlotLayout(
-        topo,
-        HIDDEN,
-        max(tokens),
-        TOPK,
-        dtype="bfloat16",
-        wire_format=WireFormat.PER_RANK,
-        combine_reduce=CombineReduce.ATTENTION,
-    )
+    slot = layer_slot("per_rank", max(tokens))  # reduced on the attention side, as CAM
     connections: dict[str, TransportFactory] = {
         "shm per_rank": shm_transport,
         "cam-emulator": functools.partial(emulated_connection, spin_timeout=300.0),
@@ -46,12 +42,7 @@ def run(args: Any) -> dict[str, Any]:
     print("(identity FFN; both attention ranks at once; MB = the per_rank bytes of a layer)")
     print(f"  {'connection':>13} {'tokens':>6} {'MB/rank':>8} {'rank0 ms':>9} {'rank1 ms':>9}")
     for name, factory in connections.items():
-        specs = [
-            RankSpec(
-                Role.ATTENTION, r, _layer_attention, {"tokens": tokens, "repeats": args.repeats}
-            )
-            for r in range(2)
-        ] + [RankSpec(Role.FFN, r, serve_identity) for r in range(2)]
+        specs = layer_specs(tokens, args.repeats)
         results = launch(slot.window(), specs, timeout=1800, transport_factory=factory)
         report["layer"][name] = {}
         for t in tokens:

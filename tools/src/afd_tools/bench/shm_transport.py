@@ -138,6 +138,25 @@ def _layer_attention(
     return results
 
 
+def layer_slot(name: str, max_tokens: int) -> SlotLayout:
+    """The per-layer benchmark's geometry in wire format ``name`` (a key of FORMATS): 2A2F,
+    hidden 2048 bf16, 64 experts top-6."""
+    wire, reduce = FORMATS[name]
+    topo = Topology(2, 2, EXPERTS)
+    return SlotLayout(
+        topo, HIDDEN, max_tokens, TOPK, dtype="bfloat16", wire_format=wire, combine_reduce=reduce
+    )
+
+
+def layer_specs(tokens: list[int], repeats: int) -> list[RankSpec]:
+    """Two attention ranks timing ``tokens``-sized layers, two identity FFN ranks."""
+    attention = [
+        RankSpec(Role.ATTENTION, r, _layer_attention, {"tokens": tokens, "repeats": repeats})
+        for r in range(2)
+    ]
+    return attention + [RankSpec(Role.FFN, r, serve_identity) for r in range(2)]
+
+
 def run(args: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     report: dict[str, Any] = {"backend": "shm"}
@@ -181,7 +200,6 @@ def run(args: Any) -> dict[str, Any]:
     # Dispatch + combine per layer, 2A2F, in each wire format.
     tokens = [t for t in LAYER_TOKENS if t <= args.max_tokens]
     formats = list(FORMATS) if args.wire_format == "all" else [args.wire_format]
-    topo = Topology(2, 2, EXPERTS)
     report["layer"] = {}
     print(
         f"\ndispatch + combine per layer, 2A2F, hidden {HIDDEN} bf16, {EXPERTS} experts top-{TOPK}"
@@ -192,23 +210,8 @@ def run(args: Any) -> dict[str, Any]:
         f"{'floor ms':>9} {'floor/rank0':>12}"
     )
     for name in formats:
-        wire, reduce = FORMATS[name]
-        slot = SlotLayout(
-            topo,
-            HIDDEN,
-            max(tokens),
-            TOPK,
-            dtype="bfloat16",
-            wire_format=wire,
-            combine_reduce=reduce,
-        )
-        specs = [
-            RankSpec(
-                Role.ATTENTION, r, _layer_attention, {"tokens": tokens, "repeats": args.repeats}
-            )
-            for r in range(2)
-        ] + [RankSpec(Role.FFN, r, serve_identity) for r in range(2)]
-        results = launch(slot.window(), specs, timeout=900)
+        slot = layer_slot(name, max(tokens))
+        results = launch(slot.window(), layer_specs(tokens, args.repeats), timeout=900)
         report["layer"][name] = {}
         for t in tokens:
             r0 = results["attention rank 0"].value[str(t)]
