@@ -33,7 +33,7 @@ $(TEST_STAMP): $(STAMP) Makefile
 	@touch $(TEST_STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/afd run
+	$(VENV)/bin/afd run --device cpu
 
 test: lint typecheck layers pytest standalone
 

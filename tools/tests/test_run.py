@@ -18,6 +18,8 @@ from afd_tools.cli import main
 
 SMALL = [
     "run",
+    "--device",
+    "cpu",
     "--requests",
     "8",
     "--max-prompt-len",
@@ -76,6 +78,8 @@ def test_shared_experts_on_ffn_in_bf16_with_poisson_arrivals(
             "cannot write /nonexistent-dir/run.json: the directory /nonexistent-dir does not exist",
         ),
         (["--plot", "."], ". is a directory; give a file name to write to"),
+        (["--transport", "nvshmem"], "--transport nvshmem needs --device cuda"),
+        (["--stages", "0"], "--stages must be >= 1, got 0"),
         (
             ["--cam-dynamic-quant"],
             "--cam-dynamic-quant applies to --transport cam-emulator only",
@@ -99,6 +103,41 @@ def test_configuration_errors_are_one_line_before_anything_runs(
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines() == [f"afd run: error: {message}"]
     assert "afd run: 2 attention" not in captured.out  # refused before launching anything
+
+
+def test_colocated_dp_ep_exchanges_tokens_between_all_processes_and_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Colocated DP+EP on the A+F processes AFD uses (gloo collectives on CPU), beside async
+    AFD with two token-level stages, every output verified."""
+    report = tmp_path / "ep.json"
+    argv = [*SMALL, "--colocated", "dp-ep", "--stages", "2", "--json", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "colocated = DP4+EP over gloo" in out
+    assert "PASS: every request's final hidden state matches" in out
+    data = json.loads(report.read_text())
+    assert data["verification_failures"] == {}
+    assert set(data["verification_worst"]) == {"async", "sync", "colocated"}
+    colocated = data["modes"]["colocated"]
+    assert len(colocated["attention_busy"]) == 4  # every process computes attention
+    assert colocated["ffn_busy"] == []
+    assert data["placement"]["exchange"] == "gloo"
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the message without a GPU"
+)
+def test_asking_for_cuda_without_a_gpu_says_what_to_use(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [arg for arg in SMALL if arg not in ("--device", "cpu")]
+    assert main([*argv, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "afd run: error: --device cuda: torch sees no CUDA GPU (a CPU build of torch, or no "
+        "driver); use --device cpu"
+    )
 
 
 @pytest.mark.parametrize("quant", [False, True])
@@ -130,6 +169,8 @@ def test_prompts_longer_than_the_budget_are_prefilled_in_chunks_in_every_mode(
     report = tmp_path / "run.json"
     argv = [
         "run",
+        "--device",
+        "cpu",
         "--workload-file",
         str(workload),
         "--max-num-batched-tokens",
@@ -152,6 +193,8 @@ def test_a_budget_of_one_token_works_and_given_tokens_are_used(
     workload.write_text('{"prompt_tokens": [5, 17, 3]}\n{"prompt_len": 2}\n')
     argv = [
         "run",
+        "--device",
+        "cpu",
         "--workload-file",
         str(workload),
         "--max-num-batched-tokens",

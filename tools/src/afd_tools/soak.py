@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             "-m",
             "afd_tools.cli",
             "run",
+            "--device",
+            "cpu",
             "--requests",
             str(args.requests),
             "--rate",

@@ -119,6 +119,15 @@ class FFNRoleExecutor:
         unless ``keep_waiting``: then idle stretches are waited out, and only a failed peer
         ends the loop); ``None`` uses the endpoint's own timeout.
         """
+        self.check_endpoint(endpoint)
+        return serve(
+            endpoint, self.compute, timeout=timeout, while_idle="wait" if keep_waiting else "raise"
+        )
+
+    def check_endpoint(self, endpoint: FFNEndpoint) -> None:
+        """Raise :class:`ConfigError` unless ``endpoint`` serves this executor's experts with
+        its shared-expert placement (for callers that run their own serving loop around
+        :meth:`compute`)."""
         if tuple(endpoint.local_experts) != self.local_experts:
             raise ConfigError(
                 f"this executor holds experts {list(self.local_experts)} but FFN rank "
@@ -130,9 +139,6 @@ class FFNRoleExecutor:
                 f"this executor was built for {self.shared_placement.value!r}; build both from "
                 f"the same setting"
             )
-        return serve(
-            endpoint, self.compute, timeout=timeout, while_idle="wait" if keep_waiting else "raise"
-        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this rank holds, by checkpoint name."""

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import multiprocessing as mp
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from afd_models import PRESET_NAMES, MonolithicModel, RandomWeights, preset
+from afd_models import PRESET_NAMES, MonolithicModel, preset
 from afd_protocol import (
     AFDError,
     CombineReduce,
@@ -28,6 +31,8 @@ from afd_protocol import (
 )
 from afd_protocol.launch import RankSpec, TransportFactory, launch, shm_transport
 from afd_tools.run import ranks
+from afd_tools.run.devices import DEVICE_DEFAULTS, Placement, place, resolve_device
+from afd_tools.run.expert_parallel import expert_parallel_connection
 from afd_tools.run.lockstep import pipes as lockstep_pipes
 from afd_tools.run.metrics import ModeSummary, ratios, summarize
 from afd_tools.run.outputs import check_writable, write_atomically
@@ -35,6 +40,7 @@ from afd_tools.run.report import print_report, write_plot
 from afd_tools.run.workload import (
     ASSIGNMENTS,
     PRESETS,
+    Request,
     WorkloadError,
     arrival_times,
     assign,
@@ -44,10 +50,12 @@ from afd_tools.run.workload import (
 
 MODES = ("async", "sync", "colocated")
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+_SPAWN = mp.get_context("spawn")
 QUANT_TOLERANCE = 5e-2
 """Relative error allowed when dispatch rows travel as int8 (about amax / 254 per element,
 compounded over the layers)."""
-TRANSPORTS = ("shm", "cam-emulator")
+TRANSPORTS = ("shm", "nvshmem", "cam-emulator")
+COLOCATED = ("dp", "dp-ep")
 
 
 def add_parser(sub: Any) -> None:
@@ -55,12 +63,27 @@ def add_parser(sub: Any) -> None:
         "run",
         help="run attention replicas and FFN ranks as processes on a prefill workload",
         description=(
-            "Launch A attention replicas and F FFN ranks as processes (shared-memory "
-            "transport), prefill a workload in each mode, check every request's final hidden "
-            "state against the monolithic reference, and report TTFT, throughput and how busy "
-            "each rank was."
+            "Launch A attention replicas and F FFN ranks as processes (on CPU over shared "
+            "memory; on CUDA one GPU per process over NVSHMEM), prefill a workload in each mode "
+            "(async AFD, sync AFD, colocated), check every request's final hidden state against "
+            "the monolithic reference, and report TTFT, throughput and how busy each rank was. "
+            "Defaults that depend on the device: float32 / reference experts / shm / colocated dp "
+            "on CPU; bfloat16 / grouped_mm / nvshmem / colocated dp-ep on CUDA."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the ranks compute: cuda (one GPU per process, attention replicas on the "
+        "first A GPUs, FFN ranks on the next F) or cpu; auto picks cuda when a GPU is visible",
+    )
+    p.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="cuda: allow more processes than GPUs, several per GPU (a functional check; use "
+        "--transport shm, since NVSHMEM and NCCL want one process per GPU)",
     )
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model shapes")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
@@ -103,7 +126,28 @@ def add_parser(sub: Any) -> None:
         help="tokens per prefill step and replica (also the slot capacity); longer prompts "
         "are prefilled in chunks over several steps",
     )
-    p.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32", help="activations")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(TOLERANCE),
+        default=None,
+        help="activations and weights (default: float32 on cpu, bfloat16 on cuda)",
+    )
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="async mode: token-level stages per step (the attention of stage i+1 overlaps "
+        "the FFN work of stage i)",
+    )
+    p.add_argument(
+        "--colocated",
+        choices=COLOCATED,
+        default=None,
+        help="the colocated baseline: dp = each of the A replicas holds the whole model; dp-ep "
+        "= A+F ranks (the same processors AFD uses), each with attention and 1/(A+F) of the "
+        "routed experts, tokens exchanged every MoE layer by all_gather + reduce_scatter "
+        "(NCCL on cuda, gloo on cpu) (default: dp on cpu, dp-ep on cuda)",
+    )
     p.add_argument(
         "--shared",
         choices=[s.value for s in SharedPlacement],
@@ -127,8 +171,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--transport",
         choices=TRANSPORTS,
-        default="shm",
-        help="shm: afd's shared-memory windows; cam-emulator: the CPU emulator of Ascend CAM's "
+        default=None,
+        help="shm: afd's shared-memory windows (default on cpu; on cuda rows are staged "
+        "through host memory); nvshmem: GPU windows over NVLink (default on cuda); "
+        "cam-emulator: the CPU emulator of Ascend CAM's "
         "compact routed-only operators (needs --shared attention and experts that split "
         "evenly over the FFN ranks; its own wire format, so --wire-format and "
         "--combine-reduce do not apply)",
@@ -139,7 +185,11 @@ def add_parser(sub: Any) -> None:
         help="cam-emulator: dispatch rows as int8 with a per-token scale (outputs are then "
         f"verified to {QUANT_TOLERANCE:g} instead of the dtype's tolerance)",
     )
-    p.add_argument("--backend", default="reference", help="expert backend on the FFN ranks")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="expert backend on the FFN ranks (default: reference on cpu, grouped_mm on cuda)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the workload")
     p.add_argument(
         "--timeout",
@@ -172,13 +222,29 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
+def _apply_device_defaults(args: argparse.Namespace) -> Placement:
+    """Fill the device-dependent defaults into ``args`` and place the ranks."""
+    kind = resolve_device(args.device)
+    for key, value in DEVICE_DEFAULTS[kind].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.transport == "nvshmem" and kind != "cuda":
+        raise WorkloadError("--transport nvshmem needs --device cuda")
+    if args.transport == "cam-emulator" and kind != "cpu":
+        raise WorkloadError("--transport cam-emulator runs on cpu only; add --device cpu")
+    if args.stages < 1:
+        raise WorkloadError(f"--stages must be >= 1, got {args.stages}")
+    if args.attention_ranks < 1 or args.ffn_ranks < 1:
+        raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
+    return place(kind, args.attention_ranks, args.ffn_ranks, args.share_gpus)
+
+
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     modes = list(MODES) if args.mode == "all" else [args.mode]
     overrides = {} if args.layers is None else {"num_layers": args.layers}
     config = preset(args.preset, **overrides)
-    if args.attention_ranks < 1 or args.ffn_ranks < 1:
-        raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
+    placement = _apply_device_defaults(args)
     if args.max_num_batched_tokens < 1:
         raise WorkloadError(
             f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}"
@@ -211,67 +277,37 @@ def _run(args: argparse.Namespace) -> int:
         lengths = prompt_lengths(args.workload, args.requests, args.seed, args.max_prompt_len)
     arrivals = arrival_times(len(lengths), args.rate, args.seed)
     requests = assign(lengths, arrivals, args.attention_ranks, args.assign, tokens)
-
-    topology = Topology(args.attention_ranks, args.ffn_ranks, config.n_routed_experts)
-    slot = SlotLayout(
-        topology,
-        config.hidden_size,
-        args.max_num_batched_tokens,
-        config.num_experts_per_tok,
-        dtype=args.dtype,
-        shared_placement=args.shared,
-        wire_format=args.wire_format,
-        combine_reduce=args.combine_reduce,
-    )
-    window = slot.window(ring_depth=1)
-    factory = _transport_factory(args, slot)
-    ctx = mp.get_context("spawn")
-    # Pipes only (no semaphore, no shared-memory name): nothing outlives a crash.
-    inboxes, outboxes = lockstep_pipes(ctx, args.attention_ranks)
-    progress, progress_writer = ctx.Pipe(duplex=False)
-    common = {"config": config, "seed": args.seed, "timeout": args.timeout}
-    specs = [
-        RankSpec(
-            Role.ATTENTION,
-            r,
-            ranks.attention_replica,
-            {
-                **common,
-                "requests": [q for q in requests if q.replica == r],
-                "modes": modes,
-                "max_tokens": args.max_num_batched_tokens,
-                "lockstep_inbox": inboxes[r],
-                "lockstep_outboxes": outboxes,
-                "progress": progress_writer,
-                "run_timeout": args.run_timeout,
-            },
-        )
-        for r in range(args.attention_ranks)
-    ]
-    specs += [
-        RankSpec(Role.FFN, r, ranks.ffn_rank, {**common, "backend": args.backend})
-        for r in range(args.ffn_ranks)
+    expert_parallel = "colocated" in modes and args.colocated == "dp-ep"
+    afd_modes = [m for m in modes if not (m == "colocated" and expert_parallel)]
+    groups = [
+        _afd_group(args, config, placement, requests, afd_modes) if afd_modes else None,
+        _colocated_group(args, config, placement, lengths, arrivals, tokens)
+        if expert_parallel
+        else None,
     ]
     square = sum(n * n for n in lengths)
     print(
-        f"afd run: {args.attention_ranks} attention x {args.ffn_ranks} FFN processes, preset "
+        f"afd run: {args.attention_ranks} attention x {args.ffn_ranks} FFN processes on "
+        f"{placement.kind}{' (GPUs shared)' if placement.shared else ''}, preset "
         f"{args.preset} ({config.num_hidden_layers} layers, {config.n_routed_experts} experts "
-        f"top-{config.num_experts_per_tok}, {args.dtype}), {len(requests)} requests "
-        f"({args.workload_file or args.workload}: {sum(lengths)} tokens, sum of squares "
-        f"{square}), modes {', '.join(modes)}"
-    )
-    try:
-        results = _launch_with_progress(
-            window, specs, len(requests) * len(modes), progress, args, factory
+        f"top-{config.num_experts_per_tok}, {args.dtype}, {args.transport}), {len(requests)} "
+        f"requests ({args.workload_file or args.workload}: {sum(lengths)} tokens, sum of "
+        f"squares {square}), modes {', '.join(modes)}"
+        + (
+            f"; colocated = DP{placement.colocated.__len__()}+EP over {placement.exchange}"
+            if expert_parallel
+            else ""
         )
-    finally:
-        for end in [*inboxes, *outboxes, progress, progress_writer]:
-            end.close()
+    )
+    total = len(requests) * len(modes)
+    outcomes: list[tuple[list[str], list[Request], list[Any], list[Any]]] = []
+    with _progress_bar(total, args) as progress:
+        for group in groups:
+            if group is not None:
+                outcomes.append(group.run(progress, args))
 
-    replica_values = [results[f"attention rank {r}"].value for r in range(args.attention_ranks)]
-    ffn_intervals = [results[f"ffn rank {r}"].value["intervals"] for r in range(args.ffn_ranks)]
-    errors = _verify(config, args, requests, replica_values, modes)
     tolerance = _tolerance(args)
+    errors = _verify(config, args, placement, outcomes)
     failures = {
         mode: {r: e for r, e in by_request.items() if e > tolerance}
         for mode, by_request in errors.items()
@@ -282,14 +318,16 @@ def _run(args: argparse.Namespace) -> int:
         for mode, by_request in errors.items()
         if by_request
     }
-    summaries: dict[str, ModeSummary] = {
-        mode: summarize(mode, requests, [v[mode] for v in replica_values], ffn_intervals)
-        for mode in modes
-    }
+    summaries: dict[str, ModeSummary] = {}
+    for group_modes, group_requests, values, intervals in outcomes:
+        for mode in group_modes:
+            summaries[mode] = summarize(mode, group_requests, [v[mode] for v in values], intervals)
+    summaries = {m: summaries[m] for m in modes}
     print_report(summaries, ratios(summaries))
     if args.json is not None:
         report = {
             "args": {k: str(v) for k, v in vars(args).items() if k != "handler"},
+            "placement": placement.__dict__ | {"exchange": placement.exchange},
             "modes": {m: s.as_dict() for m, s in summaries.items()},
             "ratios": ratios(summaries),
             "requests": [r.__dict__ for r in requests],
@@ -304,10 +342,7 @@ def _run(args: argparse.Namespace) -> int:
         write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
         print(f"wrote {args.json}")
     if args.plot is not None:
-        write_atomically(
-            args.plot,
-            lambda tmp: write_plot(tmp, summaries, replica_values, ffn_intervals, modes),
-        )
+        write_atomically(args.plot, lambda tmp: write_plot(tmp, summaries, outcomes))
         print(f"wrote {args.plot}")
     elapsed = time.perf_counter() - started
     if failures:
@@ -318,7 +353,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         print(
             f"FAIL: outputs differ from the monolithic reference beyond the tolerance "
-            f"{_tolerance(args):.0e} ({listed}); {elapsed:.0f} s"
+            f"{tolerance:.0e} ({listed}); {elapsed:.0f} s"
         )
         return 1
     print(
@@ -326,6 +361,166 @@ def _run(args: argparse.Namespace) -> int:
         f"mode (tolerance {tolerance:.0e}; worst {_worst_of(worst)}); {elapsed:.0f} s"
     )
     return 0
+
+
+@dataclass
+class _Group:
+    """One launch: the AFD processes (A attention + F FFN) or the colocated DP+EP ranks."""
+
+    modes: list[str]
+    requests: list[Request]
+    window: Any
+    specs: list[RankSpec]
+    factory: TransportFactory
+    replicas: int
+    ffn_ranks: int
+    pipes: list[Connection]
+
+    def run(
+        self, progress: Connection, args: argparse.Namespace
+    ) -> tuple[list[str], list[Request], list[Any], list[Any]]:
+        for spec in self.specs:
+            if spec.role is Role.ATTENTION:
+                spec.kwargs["progress"] = progress
+        try:
+            results = _launch(self.window, self.specs, args, self.factory)
+        finally:
+            for end in self.pipes:
+                end.close()
+        values = [results[f"attention rank {r}"].value for r in range(self.replicas)]
+        intervals = [results[f"ffn rank {r}"].value["intervals"] for r in range(self.ffn_ranks)]
+        return self.modes, self.requests, values, intervals
+
+
+def _replica_spec(
+    args: argparse.Namespace,
+    config: Any,
+    rank: int,
+    requests: list[Request],
+    modes: list[str],
+    device: str,
+    inboxes: list[Connection],
+    outboxes: list[Connection],
+) -> RankSpec:
+    return RankSpec(
+        Role.ATTENTION,
+        rank,
+        ranks.attention_replica,
+        {
+            "config": config,
+            "seed": args.seed,
+            "timeout": args.timeout,
+            "requests": [q for q in requests if q.replica == rank],
+            "modes": modes,
+            "max_tokens": args.max_num_batched_tokens,
+            "lockstep_inbox": inboxes[rank],
+            "lockstep_outboxes": outboxes,
+            "run_timeout": args.run_timeout,
+            "device": device,
+            "num_stages": args.stages,
+        },
+    )
+
+
+def _afd_group(
+    args: argparse.Namespace,
+    config: Any,
+    placement: Placement,
+    requests: list[Request],
+    modes: list[str],
+) -> _Group:
+    topology = Topology(args.attention_ranks, args.ffn_ranks, config.n_routed_experts)
+    slot = SlotLayout(
+        topology,
+        config.hidden_size,
+        args.max_num_batched_tokens,
+        config.num_experts_per_tok,
+        dtype=args.dtype,
+        shared_placement=args.shared,
+        wire_format=args.wire_format,
+        combine_reduce=args.combine_reduce,
+    )
+    window = slot.window(ring_depth=args.stages)
+    factory = _transport_factory(args, slot)
+    # Pipes only (no semaphore, no shared-memory name): nothing outlives a crash.
+    inboxes, outboxes = lockstep_pipes(_SPAWN, args.attention_ranks)
+    specs = [
+        _replica_spec(args, config, r, requests, modes, placement.attention[r], inboxes, outboxes)
+        for r in range(args.attention_ranks)
+    ]
+    specs += [
+        RankSpec(
+            Role.FFN,
+            r,
+            ranks.ffn_rank,
+            {
+                "config": config,
+                "seed": args.seed,
+                "timeout": args.timeout,
+                "backend": args.backend,
+                "device": placement.ffn[r],
+                "num_stages": args.stages,
+            },
+        )
+        for r in range(args.ffn_ranks)
+    ]
+    return _Group(
+        modes,
+        requests,
+        window,
+        specs,
+        factory,
+        args.attention_ranks,
+        args.ffn_ranks,
+        [*inboxes, *outboxes],
+    )
+
+
+def _colocated_group(
+    args: argparse.Namespace,
+    config: Any,
+    placement: Placement,
+    lengths: list[int],
+    arrivals: list[float],
+    tokens: list[tuple[int, ...] | None] | None,
+) -> _Group:
+    """Colocated DP+EP on the A+F processors AFD uses: the same requests and arrivals,
+    assigned over A+F replicas by the same policy."""
+    world = len(placement.colocated)
+    requests = assign(lengths, arrivals, world, args.assign, tokens)
+    slot = SlotLayout(
+        Topology(world, world, config.n_routed_experts),
+        config.hidden_size,
+        args.max_num_batched_tokens,
+        config.num_experts_per_tok,
+        dtype=args.dtype,
+        shared_placement=SharedPlacement.ATTENTION,
+    )
+    factory = functools.partial(
+        expert_parallel_connection,
+        config=config,
+        seed=args.seed,
+        backend=args.backend,
+        device_kind=placement.kind,
+        exchange=placement.exchange,
+    )
+    inboxes, outboxes = lockstep_pipes(_SPAWN, world)
+    specs = [
+        _replica_spec(
+            args, config, r, requests, ["colocated"], placement.colocated[r], inboxes, outboxes
+        )
+        for r in range(world)
+    ]
+    return _Group(
+        ["colocated"],
+        requests,
+        slot.window(ring_depth=1),
+        specs,
+        factory,
+        world,
+        0,
+        [*inboxes, *outboxes],
+    )
 
 
 def _worst_of(worst: dict[str, tuple[int, float]]) -> str:
@@ -344,6 +539,10 @@ def _transport_factory(args: argparse.Namespace, slot: SlotLayout) -> TransportF
     """The launcher's connection factory for ``--transport`` (checked before any process)."""
     if args.transport == "shm":
         return shm_transport
+    if args.transport == "nvshmem":
+        from afd_transport_nvshmem.launch_support import nvshmem_transport
+
+        return nvshmem_transport
     from afd_transport_cam.emulated import emulated_connection
     from afd_transport_cam.endpoints import cam_geometry
 
@@ -356,29 +555,34 @@ def _transport_factory(args: argparse.Namespace, slot: SlotLayout) -> TransportF
     )
 
 
-def _launch_with_progress(
-    window: Any,
-    specs: list[RankSpec],
-    total: int,
-    progress: Connection,
-    args: argparse.Namespace,
-    factory: TransportFactory,
+def _launch(
+    window: Any, specs: list[RankSpec], args: argparse.Namespace, factory: TransportFactory
 ) -> dict[str, Any]:
-    """Run the ranks with :func:`launch` in this (main) thread -- so that Ctrl-C and SIGTERM
-    stop and clean up everything -- while a helper thread draws the progress bar."""
+    """Run the ranks with :func:`launch` in this (main) thread, so that Ctrl-C and SIGTERM
+    stop and clean up everything."""
+    return dict(launch(window, specs, timeout=args.run_timeout, transport_factory=factory))
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, args: argparse.Namespace) -> Iterator[Connection]:
+    """The writing end of a pipe the ranks report finished requests into, while a helper
+    thread draws the progress bar (on a terminal, unless --no-progress)."""
+    reader, writer = _SPAWN.Pipe(duplex=False)
     stop = threading.Event()
     bar_thread = None
     if not args.no_progress and sys.stderr.isatty():
         bar_thread = threading.Thread(
-            target=_draw_progress, args=(progress, total, stop), daemon=True
+            target=_draw_progress, args=(reader, total, stop), daemon=True
         )
         bar_thread.start()
     try:
-        return dict(launch(window, specs, timeout=args.run_timeout, transport_factory=factory))
+        yield writer
     finally:
         stop.set()
         if bar_thread is not None:
             bar_thread.join(timeout=5)
+        reader.close()
+        writer.close()
 
 
 def _draw_progress(progress: Connection, total: int, stop: threading.Event) -> None:
@@ -398,24 +602,31 @@ def _draw_progress(progress: Connection, total: int, stop: threading.Event) -> N
 def _verify(
     config: Any,
     args: argparse.Namespace,
-    requests: list[Any],
-    replica_values: list[dict[str, Any]],
-    modes: list[str],
+    placement: Placement,
+    outcomes: list[tuple[list[str], list[Request], list[Any], list[Any]]],
 ) -> dict[str, dict[int, float]]:
-    """Compare every request of every mode with the monolithic model; return every relative
-    error (per mode, request id -> error)."""
+    """Compare every request of every mode with the monolithic model (on the first
+    attention replica's device); return every relative error (per mode, request id ->
+    error)."""
     dtype = getattr(torch, args.dtype)
-    reference = MonolithicModel(config, RandomWeights(args.seed), dtype=dtype)
+    device = placement.attention[0]
+    weights = ranks.random_weights(args.seed, torch.device(device))
+    reference = MonolithicModel(config, weights, dtype=dtype, device=device)
     expected = {}
-    for request in requests:
-        prompt = ranks.request_tokens(request, config.vocab_size, args.seed)
-        out = reference.forward([prompt], compute_logits=False)
-        expected[request.request_id] = out.last_hidden_states()[0].float()
-    errors: dict[str, dict[int, float]] = {mode: {} for mode in modes}
-    for mode in modes:
-        for values in replica_values:
-            for rid, hidden in values[mode].last_hidden.items():
-                errors[mode][rid] = relative_error(hidden, expected[rid])
+    errors: dict[str, dict[int, float]] = {}
+    for modes, requests, values, _ in outcomes:
+        for request in requests:
+            if request.request_id in expected:
+                continue
+            prompt = ranks.request_tokens(request, config.vocab_size, args.seed)
+            out = reference.forward([prompt], compute_logits=False)
+            expected[request.request_id] = out.last_hidden_states()[0].float().cpu()
+        for mode in modes:
+            errors[mode] = {}
+            for replica in values:
+                for rid, hidden in replica[mode].last_hidden.items():
+                    errors[mode][rid] = relative_error(hidden, expected[rid])
+    del reference
     return errors
 
 

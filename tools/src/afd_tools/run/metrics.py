@@ -30,6 +30,9 @@ class ModeSummary:
     attention_wait: list[float]
     ffn_busy: list[float]
     dummy_batches: int
+    breakdown: dict[str, float]
+    """Per MoE layer, mean over the attention ranks (ms): compute, dispatch, combine; and
+    the FFN ranks' mean expert time per work item (ms) and items served in this mode."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -53,9 +56,16 @@ def summarize(
     origin = min(result.origin for result in replica_results)
     end = origin + makespan
     ffn_busy = []
+    item_seconds: list[float] = []
     for intervals in ffn_intervals:
         busy = sum(max(0.0, min(e, end) - max(s, origin)) for s, e, *_ in intervals)
         ffn_busy.append(busy / makespan)
+        # Items taken during this mode (modes run one after the other).
+        item_seconds += [i[4] for i in intervals if len(i) > 4 and origin <= i[0] <= end]
+    breakdown = _mean_layer_times([r.layer_times for r in replica_results])
+    if item_seconds:
+        breakdown["ffn_ms_per_item"] = 1e3 * statistics.fmean(item_seconds)
+        breakdown["ffn_items"] = float(len(item_seconds))
     return ModeSummary(
         mode=mode,
         makespan_s=makespan,
@@ -67,7 +77,15 @@ def summarize(
         attention_wait=[r.wait_s / makespan for r in replica_results],
         ffn_busy=ffn_busy,
         dummy_batches=sum(r.dummy_batches for r in replica_results),
+        breakdown=breakdown,
     )
+
+
+def _mean_layer_times(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Every key's mean over the ranks that recorded it."""
+    present = [r for r in records if r]
+    keys = sorted({k for r in present for k in r})
+    return {k: statistics.fmean(r[k] for r in present if k in r) for k in keys}
 
 
 def ratios(summaries: Mapping[str, ModeSummary]) -> dict[str, float]:

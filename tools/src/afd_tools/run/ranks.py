@@ -1,12 +1,15 @@
 """The programs that run inside the rank processes of ``afd run``.
 
 Attention replicas batch their requests first come, first served and prefill them
-through :class:`afd_models.AttentionRoleModel` (``async``, ``sync``) or compute every
-layer locally with :class:`afd_models.MonolithicModel` (``colocated``). ``sync`` puts a
+through :class:`afd_models.AttentionRoleModel` (``async``, ``sync``; colocated DP+EP too,
+over an :class:`~afd_tools.run.expert_parallel.ExpertParallelEndpoint`) or compute every
+layer locally with :class:`afd_models.MonolithicModel` (colocated DP). ``sync`` puts a
 barrier across replicas before every MoE dispatch -- the lockstep of a synchronous AFD
-connector -- and a replica with nothing to do joins each step with a one-token dummy
-batch, as data-parallel engines do. FFN ranks serve whatever work item is ready and
-record when they were busy.
+connector -- and, like colocated DP+EP, starts each step with an exchange of batch sizes;
+a replica with nothing to do joins the step with a one-token dummy batch, as
+data-parallel engines do. FFN ranks serve whatever work item is ready and record when
+they were busy. On a GPU every step ends with a device synchronisation, so that its end
+time is when its work finished.
 """
 
 from __future__ import annotations
@@ -34,10 +37,14 @@ from afd_protocol import (
     DispatchHandle,
     EndpointOptions,
     SharedPlacement,
+    serve,
 )
 from afd_protocol.core.rendezvous import check_supervisor
 from afd_protocol.launch import roster
+from afd_tools.run.breakdown import Clock, ItemTimer, LayerTimes, TimedEndpoint
+from afd_tools.run.expert_parallel import ExpertParallelEndpoint
 from afd_tools.run.lockstep import Lockstep
+from afd_tools.run.staging import StagedAttentionEndpoint, staged_compute
 from afd_tools.run.workload import ChunkQueue, Request
 
 
@@ -64,6 +71,8 @@ class ModeResult:
     dummy_batches: int = 0
     origin: float = 0.0
     """``time.monotonic()`` at the mode start (comparable across processes on Linux)."""
+    layer_times: dict[str, float] = field(default_factory=dict)
+    """Per MoE layer: compute, dispatch and combine times (:mod:`afd_tools.run.breakdown`)."""
 
 
 class LockstepEndpoint:
@@ -118,6 +127,27 @@ class LockstepEndpoint:
         self.endpoint.close()
 
 
+def rank_device(connection: Connection, device: str) -> torch.device:
+    """Where this rank's model runs: ``device`` ("cpu", "cuda:N"); a transport on a GPU
+    must be on that same GPU."""
+    chosen = torch.device(device)
+    there = connection.device
+    if there.type != "cpu" and there != chosen:
+        raise RuntimeError(
+            f"the transport runs on {there} but this rank was given {chosen}; the launcher and "
+            f"the transport must place ranks alike"
+        )
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    return chosen
+
+
+def random_weights(seed: int, device: torch.device) -> RandomWeights:
+    """The run's weights, drawn where they are used: on a GPU (fast for large presets, and
+    the same values on every GPU) or on the CPU."""
+    return RandomWeights(seed, device=device if device.type == "cuda" else "cpu")
+
+
 def attention_replica(
     connection: Connection,
     *,
@@ -131,19 +161,34 @@ def attention_replica(
     progress: Pipe,
     timeout: float,
     run_timeout: float,
+    device: str = "cpu",
+    num_stages: int = 1,
 ) -> dict[str, Any]:
+    """One attention replica (or, over an expert-parallel connection, one colocated DP+EP
+    rank): prefill its requests in each of ``modes``, returning a :class:`ModeResult` per
+    mode."""
     dtype = connection.layout.dtype
     torch_dtype = getattr(torch, dtype)
     placement = connection.layout.shared_placement
-    weights = RandomWeights(seed)
-    afd_model = AttentionRoleModel(config, weights, dtype=torch_dtype, shared_placement=placement)
-    colocated = (
-        MonolithicModel(config, weights, dtype=torch_dtype) if "colocated" in modes else None
+    where = rank_device(connection, device)
+    weights = random_weights(seed, where)
+    afd_model = AttentionRoleModel(
+        config, weights, dtype=torch_dtype, device=where, shared_placement=placement
     )
     # The endpoint knows the model's layer count and the stages in flight, so a header that
     # names any other layer or stage is refused.
-    options = EndpointOptions(timeout=timeout, num_layers=config.num_hidden_layers, num_stages=1)
-    endpoint = connection.attention_endpoint(options)
+    options = EndpointOptions(
+        timeout=timeout, num_layers=config.num_hidden_layers, num_stages=num_stages
+    )
+    endpoint: AttentionEndpoint = connection.attention_endpoint(options)
+    expert_parallel = endpoint if isinstance(endpoint, ExpertParallelEndpoint) else None
+    if connection.device != where and expert_parallel is None:
+        endpoint = StagedAttentionEndpoint(endpoint, connection.device, where)
+    colocated = (
+        MonolithicModel(config, weights, dtype=torch_dtype, device=where)
+        if "colocated" in modes and expert_parallel is None
+        else None
+    )
     everyone = roster()
     replicas = {
         r: everyone[f"attention rank {r}"]
@@ -151,29 +196,48 @@ def attention_replica(
         if f"attention rank {r}" in everyone
     }
     steps = Lockstep(connection.rank, lockstep_inbox, lockstep_outboxes, replicas)
-    lockstep = LockstepEndpoint(endpoint, steps, run_timeout)
+    clock = Clock(where)
+    timed = TimedEndpoint(endpoint, clock)
+    lockstep = LockstepEndpoint(timed, steps, run_timeout)
     prompts = {r.request_id: request_tokens(r, config.vocab_size, seed) for r in requests}
     # Warm up every path once (allocations, first-call dispatch) before anything is timed.
     warm = [torch.zeros(min(4, max_tokens), dtype=torch.long)]
+    if expert_parallel is not None:
+        expert_parallel.begin_step(len(warm[0]))
     afd_model.forward(warm, endpoint, compute_logits=False)
     if colocated is not None:
         colocated.forward(warm, compute_logits=False)
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
     out: dict[str, Any] = {}
     for mode in modes:
+        # Sync AFD and colocated DP+EP run every layer together: each step starts with an
+        # exchange of every replica's batch size (-1: nothing left), and a replica without
+        # work joins with a one-token dummy batch.
+        lockstepped = mode == "sync" or expert_parallel is not None
         steps.barrier(run_timeout, f"start of mode {mode}")
         origin = time.monotonic()
         result = ModeResult(origin=origin)
+        timed.totals = LayerTimes()
         queue = ChunkQueue(requests, max_tokens)
         cache = KVCache()  # earlier chunks of prompts longer than the budget
         while True:
             now = time.monotonic() - origin
-            if mode == "sync":
-                if not any(steps.exchange(0 if queue.empty else 1, run_timeout, "step start")):
+            rows = 0
+            if lockstepped:
+                done = queue.empty
+                chunks = [] if done else queue.next_step(now)
+                size = -1 if done else sum(c.end - c.begin for c in chunks)
+                sizes = steps.exchange(size, run_timeout, "step start")
+                result.wait_s += time.monotonic() - origin - now  # waiting for the others
+                if max(sizes) < 0:
                     break
+                rows = max(1, *sizes)
             elif queue.empty:
                 break
-            chunks = queue.next_step(now)
-            if not chunks and mode != "sync":
+            else:
+                chunks = queue.next_step(now)
+            if not chunks and not lockstepped:
                 # Idle until the next arrival; an orphan (launcher gone) stops here too.
                 check_supervisor(f"attention replica {connection.rank}")
                 time.sleep(min(0.01, max(0.0, queue.next_arrival - now)))
@@ -187,18 +251,28 @@ def attention_replica(
                     )
                     for c in chunks
                 ]
-            else:  # sync: nothing ready; join the step with a dummy token
+            else:  # lockstep: nothing ready; join the step with a dummy token
                 entries = [torch.zeros(1, dtype=torch.long)]
                 result.dummy_batches += 1
-            if mode == "colocated":
-                assert colocated is not None
+            timed.begin_step()
+            if mode == "colocated" and colocated is not None:
                 output = colocated.forward(entries, compute_logits=False, cache=cache)
                 waited = 0.0
+            elif mode == "colocated":
+                assert expert_parallel is not None
+                expert_parallel.begin_step(rows)
+                exchanged = expert_parallel.exchange_s
+                output = afd_model.forward(entries, timed, compute_logits=False, cache=cache)
+                waited = expert_parallel.exchange_s - exchanged
             else:
                 lockstep.wait_s = 0.0
-                chosen: AttentionEndpoint = lockstep if mode == "sync" else endpoint
-                output = afd_model.forward(entries, chosen, compute_logits=False, cache=cache)
+                chosen: AttentionEndpoint = lockstep if mode == "sync" else timed
+                stages = num_stages if mode == "async" else 1
+                output = afd_model.forward(
+                    entries, chosen, num_stages=stages, compute_logits=False, cache=cache
+                )
                 waited = afd_model.stats.combine_wait_s + lockstep.wait_s
+            timed.end_step()  # waits for the device: the step's end is when its work ended
             end = time.monotonic() - origin
             result.busy_s += end - start - waited
             result.wait_s += waited
@@ -210,6 +284,8 @@ def attention_replica(
                         result.done[chunk.request_id] = end
                         result.last_hidden[chunk.request_id] = last[row].clone()
                         progress.send_bytes(b"1")
+        if timed.totals.layers:
+            result.layer_times = timed.totals.as_dict()
         out[mode] = result
     endpoint.announce_shutdown()
     return out
@@ -222,19 +298,37 @@ def ffn_rank(
     seed: int,
     backend: str,
     timeout: float,
+    device: str = "cpu",
+    num_stages: int = 1,
 ) -> dict[str, Any]:
     slot = connection.layout
+    where = rank_device(connection, device)
     executor = FFNRoleExecutor(
         config,
         slot.topology.local_experts(connection.rank),
-        RandomWeights(seed),
+        random_weights(seed, where),
         dtype=getattr(torch, slot.dtype),
+        device=where,
         backend=backend,
         shared_placement=slot.shared_placement,
     )
-    options = EndpointOptions(timeout=timeout, num_layers=config.num_hidden_layers, num_stages=1)
+    options = EndpointOptions(
+        timeout=timeout, num_layers=config.num_hidden_layers, num_stages=num_stages
+    )
     endpoint = connection.ffn_endpoint(options)
     # Idle stretches (colocated mode, sparse arrivals) are waited out; a dead peer still
     # ends the loop with PeerAborted.
-    stats = executor.serve(endpoint, keep_waiting=True)
-    return {"intervals": [(r.taken, r.replied, r.replica, r.layer) for r in stats.items]}
+    timer = ItemTimer(Clock(where))
+    if connection.device == where:
+        compute = timer.wrap(executor.compute)
+    else:
+        compute = staged_compute(timer.wrap(executor.compute), where, connection.device)
+    executor.check_endpoint(endpoint)
+    stats = serve(endpoint, compute, while_idle="wait")
+    seconds = timer.seconds()
+    return {
+        "intervals": [
+            (r.taken, r.replied, r.replica, r.layer, s)
+            for r, s in zip(stats.items, seconds, strict=True)
+        ]
+    }

@@ -36,10 +36,35 @@ def print_report(summaries: Mapping[str, ModeSummary], ratios: Mapping[str, floa
             f"{s.makespan_s:.2f}",
             " ".join(f"{v:.0%}" for v in s.attention_busy),
             " ".join(f"{v:.0%}" for v in s.attention_wait),
-            " ".join(f"{v:.0%}" for v in s.ffn_busy) if s.mode != "colocated" else "idle",
+            _ffn_busy(s),
         )
     console = Console(width=140)
     console.print(table)
+    timed = [s for s in summaries.values() if s.breakdown]
+    if timed:
+        layers = Table(title="per MoE layer, mean over attention ranks (ms)")
+        for column in ("mode", "compute", "dispatch", "combine (incl. wait)", "FFN per item"):
+            layers.add_column(column, justify="right")
+        for s in timed:
+            b = s.breakdown
+            layers.add_row(
+                s.mode,
+                *(
+                    f"{b[k]:.3f}" if k in b else "-"
+                    for k in (
+                        "compute_ms_per_layer",
+                        "dispatch_ms_per_layer",
+                        "combine_ms_per_layer",
+                        "ffn_ms_per_item",
+                    )
+                ),
+            )
+        console.print(layers)
+        console.print(
+            "  compute: everything between the endpoint calls (attention, dense layers, router, "
+            "local shared experts; in sync mode also the barrier); dispatch in colocated dp-ep: "
+            "the collectives and the local experts"
+        )
     for name, value in ratios.items():
         console.print(f"  {name}: {value:.2f}x")
     for s in summaries.values():
@@ -50,12 +75,18 @@ def print_report(summaries: Mapping[str, ModeSummary], ratios: Mapping[str, floa
             )
 
 
+def _ffn_busy(s: ModeSummary) -> str:
+    if s.mode == "colocated":  # the FFN processes idle (dp), or there are none (dp-ep)
+        return "idle" if s.ffn_busy else "-"
+    return " ".join(f"{v:.0%}" for v in s.ffn_busy)
+
+
+Outcome = tuple[Sequence[str], Sequence[Any], Sequence[Mapping[str, Any]], Sequence[Any]]
+"""One launch's (modes, requests, per-replica results by mode, per-FFN-rank intervals)."""
+
+
 def write_plot(
-    path: Path,
-    summaries: Mapping[str, ModeSummary],
-    replica_values: Sequence[Mapping[str, Any]],
-    ffn_intervals: Sequence[Sequence[tuple[float, float, int, int]]],
-    modes: Sequence[str],
+    path: Path, summaries: Mapping[str, ModeSummary], outcomes: Sequence[Outcome]
 ) -> None:
     """One panel per mode, one row per rank, a bar per batch (attention) or item (FFN)."""
     import matplotlib
@@ -63,8 +94,14 @@ def write_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 2.2 * len(modes) + 0.6), squeeze=False)
-    for ax, mode in zip(axes[:, 0], modes, strict=True):
+    panels = [
+        (mode, values, intervals)
+        for modes, _, values, intervals in outcomes
+        for mode in modes
+        if mode in summaries
+    ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.2 * len(panels) + 0.6), squeeze=False)
+    for ax, (mode, replica_values, ffn_intervals) in zip(axes[:, 0], panels, strict=True):
         results = [values[mode] for values in replica_values]
         origin = min(r.origin for r in results)
         labels = []

@@ -1,0 +1,165 @@
+"""Where a MoE layer's time goes, measured on every rank of ``afd run``.
+
+An attention rank's step is cut at its endpoint calls: ``dispatch`` (planning, packing,
+sending), ``combine`` (waiting for the replies and the weighted sum), and everything
+between -- attention, dense layers, router, local shared experts -- counted as compute.
+On a GPU the cuts are CUDA events on the current stream, read once the step has finished,
+so they measure the device's timeline, not the host's enqueue; on the CPU they are clock
+readings. An FFN rank times each work item's expert compute the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from afd_protocol import AttentionEndpoint, DispatchHandle, SharedPlacement, WorkItem
+
+
+class Clock:
+    """Marks on the device's timeline (CUDA events) or the host's (``perf_counter``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Between two marks (after the device finished both, on a GPU)."""
+        if self.cuda:
+            return float(start.elapsed_time(end)) / 1e3
+        return float(end - start)
+
+
+@dataclass
+class LayerTimes:
+    """Sums over a mode: seconds in each part of the MoE layers, and how many there were."""
+
+    dispatch_s: float = 0.0
+    combine_s: float = 0.0
+    step_s: float = 0.0
+    """Whole steps on the device's timeline (compute is ``step - dispatch - combine``)."""
+    layers: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        compute = self.step_s - self.dispatch_s - self.combine_s
+        per = 1e3 / max(1, self.layers)
+        return {
+            "moe_layers": self.layers,
+            "compute_ms_per_layer": compute * per,
+            "dispatch_ms_per_layer": self.dispatch_s * per,
+            "combine_ms_per_layer": self.combine_s * per,
+        }
+
+
+@dataclass
+class TimedEndpoint:
+    """An attention endpoint whose calls are timed (see the module docstring); call
+    :meth:`begin_step` before a step and :meth:`end_step` once the device finished it."""
+
+    endpoint: AttentionEndpoint
+    clock: Clock
+    totals: LayerTimes = field(default_factory=LayerTimes)
+    _marks: list[tuple[str, Any, Any]] = field(default_factory=list)
+    _step_start: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.endpoint.rank
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.endpoint.dtype
+
+    @property
+    def shared_placement(self) -> SharedPlacement:
+        return self.endpoint.shared_placement
+
+    @property
+    def in_flight(self) -> int:
+        return self.endpoint.in_flight
+
+    def begin_step(self) -> None:
+        self._marks.clear()
+        self._step_start = self.clock.mark()
+
+    def end_step(self) -> None:
+        """Add the finished step's marks to :attr:`totals` (the device must be done)."""
+        end = self.clock.mark()
+        if self.clock.cuda:
+            end.synchronize()
+        if self._step_start is not None:
+            self.totals.step_s += self.clock.seconds(self._step_start, end)
+        for what, start, stop in self._marks:
+            seconds = self.clock.seconds(start, stop)
+            if what == "dispatch":
+                self.totals.dispatch_s += seconds
+                self.totals.layers += 1
+            else:
+                self.totals.combine_s += seconds
+        self._marks.clear()
+        self._step_start = None
+
+    def dispatch(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        stage: int = 0,
+    ) -> DispatchHandle:
+        start = self.clock.mark()
+        handle = self.endpoint.dispatch(layer_idx, hidden_states, topk_ids, topk_weights, stage)
+        self._marks.append(("dispatch", start, self.clock.mark()))
+        return handle
+
+    def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
+        start = self.clock.mark()
+        out = self.endpoint.combine(handle, timeout)
+        self._marks.append(("combine", start, self.clock.mark()))
+        return out
+
+    def announce_shutdown(self) -> None:
+        self.endpoint.announce_shutdown()
+
+    def abort(self) -> None:
+        self.endpoint.abort()
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+Compute = Callable[[WorkItem], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class ItemTimer:
+    """Times each work item's expert compute on an FFN rank: marks are kept and read at
+    the end (:meth:`seconds`), so timing adds no synchronisation to the serving loop."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._marks: list[tuple[Any, Any]] = []
+
+    def wrap(self, compute: Compute) -> Compute:
+        def run(item: WorkItem) -> tuple[torch.Tensor, torch.Tensor | None]:
+            start = self.clock.mark()
+            out = compute(item)
+            self._marks.append((start, self.clock.mark()))
+            return out
+
+        return run
+
+    def seconds(self) -> list[float]:
+        """Every item's compute time, in serving order (waits for the device first)."""
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        return [self.clock.seconds(start, end) for start, end in self._marks]

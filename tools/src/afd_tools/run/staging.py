@@ -1,0 +1,102 @@
+"""Models on a GPU over a transport whose windows live in host memory.
+
+The shared-memory transport carries rows between processes through host memory, so a
+model running on a GPU copies its rows to the host to dispatch and back after combine, and
+an FFN rank copies each work item to its GPU and the outputs back. That lets ``afd run
+--device cuda --transport shm`` run the main job on GPUs without NVSHMEM (or with several
+ranks sharing one GPU, where NVSHMEM would not), verified like every other run; its
+timings include those copies, so they say nothing about NVSHMEM's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from afd_protocol import (
+    AttentionEndpoint,
+    DispatchHandle,
+    SharedPlacement,
+    WorkItem,
+)
+from afd_protocol.core.workitem import WorkItemPart
+
+
+class StagedAttentionEndpoint:
+    """An attention endpoint on ``endpoint_device`` used by a model on ``model_device``."""
+
+    def __init__(
+        self, endpoint: AttentionEndpoint, endpoint_device: torch.device, model_device: torch.device
+    ) -> None:
+        self.endpoint = endpoint
+        self.endpoint_device = endpoint_device
+        self.model_device = model_device
+
+    @property
+    def rank(self) -> int:
+        return self.endpoint.rank
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.endpoint.dtype
+
+    @property
+    def shared_placement(self) -> SharedPlacement:
+        return self.endpoint.shared_placement
+
+    @property
+    def in_flight(self) -> int:
+        return self.endpoint.in_flight
+
+    def dispatch(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        stage: int = 0,
+    ) -> DispatchHandle:
+        there = self.endpoint_device
+        return self.endpoint.dispatch(
+            layer_idx,
+            hidden_states.to(there),
+            topk_ids.to(there),
+            topk_weights.to(there),
+            stage,
+        )
+
+    def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
+        return self.endpoint.combine(handle, timeout).to(self.model_device)
+
+    def announce_shutdown(self) -> None:
+        self.endpoint.announce_shutdown()
+
+    def abort(self) -> None:
+        self.endpoint.abort()
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+def part_on(part: WorkItemPart, device: torch.device) -> WorkItemPart:
+    """``part`` with every tensor copied to ``device``."""
+    moved = {
+        f.name: getattr(part, f.name).to(device)
+        for f in dataclasses.fields(part)
+        if isinstance(getattr(part, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(part, **moved)
+
+
+def staged_compute(compute: Any, device: torch.device, endpoint_device: torch.device) -> Any:
+    """Wrap an FFN executor's ``compute(item) -> (routed, shared)`` so that it sees the
+    item on ``device`` and returns its outputs on ``endpoint_device``."""
+
+    def run(item: WorkItem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        moved = dataclasses.replace(item, parts=tuple(part_on(p, device) for p in item.parts))
+        routed, shared = compute(moved)
+        return routed.to(endpoint_device), (None if shared is None else shared.to(endpoint_device))
+
+    return run

@@ -1,0 +1,87 @@
+"""``afd run`` on CUDA GPUs: the main job with real model code on the GPU, every output
+checked against the monolithic model on a GPU (bf16 tolerance), and nothing left running
+or allocated afterwards. Skipped without a GPU (CI); ``tools/gpu/suite`` runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.timeout(600),
+]
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+SMALL = [
+    "run",
+    "--device",
+    "cuda",
+    "--requests",
+    "8",
+    "--max-prompt-len",
+    "96",
+    "--max-num-batched-tokens",
+    "128",
+    "--attention-ranks",
+    "1",
+    "--ffn-ranks",
+    "1",
+    "--no-progress",
+]
+
+
+def _afd(tmp_path: Path, *argv: str) -> tuple[dict[str, object], str]:
+    """Run ``afd`` in a child process (a fresh CUDA context, as a user's shell would) and
+    return its JSON report and stdout; the child must exit 0."""
+    report = tmp_path / "run.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "afd_tools.cli", *argv, "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(report.read_text()), result.stdout
+
+
+def _no_afd_process_left() -> None:
+    names = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                names.append((entry / "comm").read_text().strip())
+            except OSError:
+                continue
+    assert not [n for n in names if n.startswith(("afd-attention", "afd-ffn"))], names
+
+
+def test_every_mode_on_gpus_over_host_staging(tmp_path: Path) -> None:
+    """Models on the GPU, rows through host shared memory; GPUs shared when there are fewer
+    than two (the functional path on any CUDA machine)."""
+    extra = ["--share-gpus"] if GPUS < 2 else []
+    data, out = _afd(tmp_path, *SMALL, "--transport", "shm", "--stages", "2", *extra)
+    assert "PASS: every request's final hidden state matches" in out
+    assert data["verification_failures"] == {}
+    assert set(data["verification_worst"]) == {"async", "sync", "colocated"}
+    placement = data["placement"]
+    assert isinstance(placement, dict)
+    assert placement["kind"] == "cuda"
+    _no_afd_process_left()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="NVSHMEM and NCCL want one process per GPU: needs two")
+def test_every_mode_on_two_gpus_over_nvshmem_and_nccl(tmp_path: Path) -> None:
+    data, out = _afd(tmp_path, *SMALL, "--stages", "2")
+    assert "colocated = DP2+EP over nccl" in out
+    assert data["verification_failures"] == {}
+    args = data["args"]
+    assert isinstance(args, dict)
+    assert args["transport"] == "nvshmem"
+    _no_afd_process_left()
