@@ -87,27 +87,30 @@ def main(folder: str) -> int:
     else:
         rows.append(("1-GPU loop", "(no loopback-formats.json)", "FAIL"))
         failed += 1
-    run = root / "run-v2-lite.json"
-    if run.exists():
-        report = json.loads(run.read_text())
-        bad = report["verification_failures"]
-        for mode, m in report["modes"].items():
-            b = m.get("breakdown", {})
-            rows.append(
-                (
-                    "afd run",
-                    f"v2-lite {mode}",
+    prefill = root / "bench-prefill.json"
+    if prefill.exists():
+        for entry in json.loads(prefill.read_text())["runs"]:
+            name = f"{entry['preset']} {entry['workload']}"
+            report = entry.get("report")
+            if report is None:
+                rows.append(("prefill", name, f"FAIL (exit {entry['exit_code']})"))
+                failed += 1
+                continue
+            bad = report["verification_failures"]
+            for mode, m in report["modes"].items():
+                b = m.get("breakdown", {})
+                outcome = (
                     "FAIL (outputs)"
                     if mode in bad
-                    else f"{m['tokens_per_s']:.0f} tok/s, TTFT p99 {m['ttft_p99']:.3f} s, per "
-                    f"layer: compute {b.get('compute_ms_per_layer', float('nan')):.2f} / dispatch "
+                    else f"{m['tokens_per_s']:.0f} tok/s, TTFT p99 {m['ttft_p99']:.2f} s; per "
+                    f"layer compute {b.get('compute_ms_per_layer', float('nan')):.2f} / dispatch "
                     f"{b.get('dispatch_ms_per_layer', float('nan')):.2f} / combine "
-                    f"{b.get('combine_ms_per_layer', float('nan')):.2f} ms",
+                    f"{b.get('combine_ms_per_layer', float('nan')):.2f} ms"
                 )
-            )
-            failed += mode in bad
+                rows.append(("prefill", f"{name} {mode}", outcome))
+                failed += mode in bad
     else:
-        rows.append(("afd run", "(no run-v2-lite.json)", "FAIL"))
+        rows.append(("prefill", "(no bench-prefill.json)", "FAIL"))
         failed += 1
     width = max(len(r[1]) for r in rows)
     print("\nGPU suite summary")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -161,3 +162,62 @@ def test_a_short_soak_verifies_every_output_and_finds_no_growth(
     out = capsys.readouterr().out
     assert "PASS: outputs verified, no rank grew" in out
     assert out.count(" ok\n") == 4  # two attention replicas, two FFN ranks
+
+
+def test_bench_prefill_runs_every_mode_verified_and_replaces_the_docs_table(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(
+        "# head\n<!-- afd bench prefill -->\nold table\n<!-- /afd bench prefill -->\nafter\n"
+    )
+    report = tmp_path / "prefill.json"
+    argv = [
+        "bench",
+        "prefill",
+        "--quick",
+        "--preset",
+        "tiny",
+        "--workload",
+        "uniform",
+        "--run-arg=--device",
+        "--run-arg=cpu",
+        "--json",
+        str(report),
+        "--docs",
+        str(docs),
+    ]
+    assert main(argv) == 0
+    text = docs.read_text()
+    assert "old table" not in text
+    assert text.startswith("# head\n<!-- afd bench prefill -->\n| preset | workload | mode |")
+    assert text.endswith("<!-- /afd bench prefill -->\nafter\n")
+    rows = [line for line in text.splitlines() if line.startswith("| tiny | uniform |")]
+    assert [row.split(" | ")[2] for row in rows] == ["async", "sync", "colocated"]
+    assert all(row.endswith("| yes |") for row in rows)
+    runs = json.loads(report.read_text())["runs"]
+    assert runs[0]["exit_code"] == 0
+    assert runs[0]["report"]["verification_failures"] == {}
+    assert "--workload-file" in runs[0]["command"]
+
+
+def test_bench_prefill_uniform_has_the_uneven_total_and_refuses_docs_without_markers(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afd_tools.bench.prefill import QUICK, workload_lengths
+    from afd_tools.run.workload import prompt_lengths
+
+    uniform = workload_lengths("uniform", "v2-lite", QUICK, 3)
+    assert uniform is not None
+    assert sum(uniform) == sum(prompt_lengths("uneven", QUICK.requests, 3, QUICK.max_prompt_len))
+    assert max(uniform) - min(uniform) <= 1
+    long = workload_lengths("long", "v3-slice", QUICK, 3)
+    assert long is not None
+    assert all(QUICK.long_range[0] <= n <= QUICK.long_range[1] for n in long)
+    docs = tmp_path / "plain.md"
+    docs.write_text("no markers here\n")
+    assert main(["bench", "prefill", "--docs", str(docs)]) == 2
+    assert "has no <!-- afd bench prefill --> ... <!-- /afd bench prefill --> block" in (
+        capsys.readouterr().err
+    )
+    assert docs.read_text() == "no markers here\n"

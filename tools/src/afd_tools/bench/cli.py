@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from afd_tools.bench import prefill
+
 
 def add_parser(sub: Any) -> None:
     bench = sub.add_parser(
@@ -53,6 +55,7 @@ def add_parser(sub: Any) -> None:
         help="nvshmem only: write torch.profiler tables of the per-layer rounds into this folder",
     )
     transport.set_defaults(handler=run_transport)
+    prefill.add_parser(kinds)
 
 
 def run_transport(args: argparse.Namespace) -> int:

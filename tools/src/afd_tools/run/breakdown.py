@@ -28,7 +28,7 @@ class Clock:
 
     def mark(self) -> Any:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             return event
         return time.perf_counter()
@@ -47,17 +47,22 @@ class LayerTimes:
     dispatch_s: float = 0.0
     combine_s: float = 0.0
     step_s: float = 0.0
-    """Whole steps on the device's timeline (compute is ``step - dispatch - combine``)."""
+    """Whole steps on the device's timeline."""
+    barrier_s: float = 0.0
+    """Sync mode: host time in the lockstep barrier before each dispatch."""
     layers: int = 0
 
     def as_dict(self) -> dict[str, float]:
-        compute = self.step_s - self.dispatch_s - self.combine_s
+        """Per MoE layer in ms; compute is what remains of the steps after the endpoint
+        calls and the barrier."""
+        compute = self.step_s - self.dispatch_s - self.combine_s - self.barrier_s
         per = 1e3 / max(1, self.layers)
         return {
             "moe_layers": self.layers,
-            "compute_ms_per_layer": compute * per,
+            "compute_ms_per_layer": max(0.0, compute) * per,
             "dispatch_ms_per_layer": self.dispatch_s * per,
             "combine_ms_per_layer": self.combine_s * per,
+            "barrier_ms_per_layer": self.barrier_s * per,
         }
 
 

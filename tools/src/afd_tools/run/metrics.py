@@ -42,9 +42,10 @@ def summarize(
     mode: str,
     requests: Sequence[Request],
     replica_results: Sequence[Any],
-    ffn_intervals: Sequence[Sequence[tuple[float, float, int, int]]],
+    ffn_intervals: Sequence[Sequence[tuple[float, ...]]],
 ) -> ModeSummary:
-    """Summarise one mode from every replica's ``ModeResult`` and the FFN intervals."""
+    """Summarise one mode from every replica's ``ModeResult`` and the FFN intervals
+    (``(taken, replied, replica, layer, expert seconds)`` per work item)."""
     done: dict[int, float] = {}
     for result in replica_results:
         done.update(result.done)
@@ -61,7 +62,7 @@ def summarize(
         busy = sum(max(0.0, min(e, end) - max(s, origin)) for s, e, *_ in intervals)
         ffn_busy.append(busy / makespan)
         # Items taken during this mode (modes run one after the other).
-        item_seconds += [i[4] for i in intervals if len(i) > 4 and origin <= i[0] <= end]
+        item_seconds += [float(i[4]) for i in intervals if len(i) > 4 and origin <= i[0] <= end]
     breakdown = _mean_layer_times([r.layer_times for r in replica_results])
     if item_seconds:
         breakdown["ffn_ms_per_item"] = 1e3 * statistics.fmean(item_seconds)

@@ -255,6 +255,7 @@ def attention_replica(
                 entries = [torch.zeros(1, dtype=torch.long)]
                 result.dummy_batches += 1
             timed.begin_step()
+            lockstep.wait_s = 0.0
             if mode == "colocated" and colocated is not None:
                 output = colocated.forward(entries, compute_logits=False, cache=cache)
                 waited = 0.0
@@ -265,13 +266,13 @@ def attention_replica(
                 output = afd_model.forward(entries, timed, compute_logits=False, cache=cache)
                 waited = expert_parallel.exchange_s - exchanged
             else:
-                lockstep.wait_s = 0.0
                 chosen: AttentionEndpoint = lockstep if mode == "sync" else timed
                 stages = num_stages if mode == "async" else 1
                 output = afd_model.forward(
                     entries, chosen, num_stages=stages, compute_logits=False, cache=cache
                 )
                 waited = afd_model.stats.combine_wait_s + lockstep.wait_s
+            timed.totals.barrier_s += lockstep.wait_s
             timed.end_step()  # waits for the device: the step's end is when its work ended
             end = time.monotonic() - origin
             result.busy_s += end - start - waited

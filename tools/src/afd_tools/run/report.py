@@ -43,7 +43,8 @@ def print_report(summaries: Mapping[str, ModeSummary], ratios: Mapping[str, floa
     timed = [s for s in summaries.values() if s.breakdown]
     if timed:
         layers = Table(title="per MoE layer, mean over attention ranks (ms)")
-        for column in ("mode", "compute", "dispatch", "combine (incl. wait)", "FFN per item"):
+        columns = ("mode", "compute", "dispatch", "combine (incl. wait)", "barrier", "FFN per item")
+        for column in columns:
             layers.add_column(column, justify="right")
         for s in timed:
             b = s.breakdown
@@ -55,6 +56,7 @@ def print_report(summaries: Mapping[str, ModeSummary], ratios: Mapping[str, floa
                         "compute_ms_per_layer",
                         "dispatch_ms_per_layer",
                         "combine_ms_per_layer",
+                        "barrier_ms_per_layer",
                         "ffn_ms_per_item",
                     )
                 ),
@@ -62,7 +64,8 @@ def print_report(summaries: Mapping[str, ModeSummary], ratios: Mapping[str, floa
         console.print(layers)
         console.print(
             "  compute: everything between the endpoint calls (attention, dense layers, router, "
-            "local shared experts; in sync mode also the barrier); dispatch in colocated dp-ep: "
+            "local shared experts); barrier: sync mode's wait for the other replicas (host clock); "
+            "dispatch in colocated dp-ep: "
             "the collectives and the local experts"
         )
     for name, value in ratios.items():
