@@ -85,3 +85,11 @@ def test_every_mode_on_two_gpus_over_nvshmem_and_nccl(tmp_path: Path) -> None:
     assert isinstance(args, dict)
     assert args["transport"] == "nvshmem"
     _no_afd_process_left()
+
+
+def test_float32_on_the_gpu_matches_the_reference_to_float32_precision(tmp_path: Path) -> None:
+    """In float32 no rounding hides a wrong row: every mode within 1e-5 of the reference."""
+    extra = ["--share-gpus", "--transport", "shm"] if GPUS < 2 else []
+    data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *extra)
+    assert "(tolerance 1e-05; worst " in out
+    assert data["verification_failures"] == {}

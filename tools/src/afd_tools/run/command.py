@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from afd_models import PRESET_NAMES, MonolithicModel, preset
+from afd_models import PRESET_NAMES, KVCache, MonolithicModel, PromptChunk, preset
 from afd_protocol import (
     AFDError,
     CombineReduce,
@@ -227,6 +227,8 @@ def _apply_device_defaults(args: argparse.Namespace) -> Placement:
     kind = resolve_device(args.device)
     for key, value in DEVICE_DEFAULTS[kind].items():
         if getattr(args, key) is None:
+            if key == "backend" and args.dtype != "bfloat16":
+                value = "reference"
             setattr(args, key, value)
     if args.transport == "nvshmem" and kind != "cuda":
         raise WorkloadError("--transport nvshmem needs --device cuda")
@@ -609,31 +611,53 @@ def _verify(
     attention replica's device); return every relative error (per mode, request id ->
     error).
 
-    The reference computes its routed experts with the FFN ranks' backend: in bfloat16 two
-    backends round differently, and where two experts' router scores are that close, a
-    token's top-k can flip from one layer on -- a difference of a few percent in one
-    token's final state that says nothing about AFD (the backends are checked against each
-    other by afd_models' own tests)."""
+    The reference prefills each request alone, in the chunks the run prefilled it in, and
+    computes its routed experts with the FFN ranks' backend. In bfloat16 both matter:
+    another chunking or another backend rounds differently, and where two experts' router
+    scores are that close a token's top-k flips from one layer on -- a difference of a few
+    percent (V3's group-limited routing: more) in one token's final state that says nothing
+    about AFD. What remains between the run and the reference is the batching, which the
+    exchange must not change beyond rounding."""
     dtype = getattr(torch, args.dtype)
     device = placement.attention[0]
     weights = ranks.random_weights(args.seed, torch.device(device))
     reference = MonolithicModel(config, weights, dtype=dtype, device=device, backend=args.backend)
-    expected = {}
+    expected: dict[tuple[int, tuple[tuple[int, int], ...]], torch.Tensor] = {}
     errors: dict[str, dict[int, float]] = {}
     for modes, requests, values, _ in outcomes:
-        for request in requests:
-            if request.request_id in expected:
-                continue
-            prompt = ranks.request_tokens(request, config.vocab_size, args.seed)
-            out = reference.forward([prompt], compute_logits=False)
-            expected[request.request_id] = out.last_hidden_states()[0].float().cpu()
+        by_id = {r.request_id: r for r in requests}
         for mode in modes:
             errors[mode] = {}
             for replica in values:
-                for rid, hidden in replica[mode].last_hidden.items():
-                    errors[mode][rid] = relative_error(hidden, expected[rid])
+                result = replica[mode]
+                for rid, hidden in result.last_hidden.items():
+                    chunks = tuple(result.chunks.get(rid, ()))
+                    key = (rid, chunks)
+                    if key not in expected:
+                        expected[key] = _reference_state(
+                            reference, config, args, by_id[rid], chunks
+                        )
+                    errors[mode][rid] = relative_error(hidden, expected[key])
     del reference
     return errors
+
+
+def _reference_state(
+    reference: MonolithicModel,
+    config: Any,
+    args: argparse.Namespace,
+    request: Request,
+    chunks: tuple[tuple[int, int], ...],
+) -> torch.Tensor:
+    """The request's final hidden state, prefilled alone in ``chunks`` (whole if none)."""
+    prompt = ranks.request_tokens(request, config.vocab_size, args.seed)
+    if not chunks:
+        chunks = ((0, len(prompt)),)
+    cache = KVCache()
+    for begin, end in chunks:
+        entry = PromptChunk(request.request_id, prompt[begin:end], begin, end == len(prompt))
+        out = reference.forward([entry], compute_logits=False, cache=cache)
+    return out.last_hidden_states()[0].float().cpu()
 
 
 __all__ = ["MODES", "AFDError", "add_parser", "run"]

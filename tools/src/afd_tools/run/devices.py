@@ -25,7 +25,8 @@ DEVICE_DEFAULTS = {
     },
 }
 """Per device, what ``--dtype``, ``--backend``, ``--transport`` and ``--colocated`` mean when
-not given."""
+not given (on CUDA ``grouped_mm`` only for bfloat16, which torch's grouped GEMM needs; the
+reference backend otherwise)."""
 
 
 @dataclass(frozen=True)
