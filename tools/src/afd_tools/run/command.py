@@ -611,53 +611,52 @@ def _verify(
     attention replica's device); return every relative error (per mode, request id ->
     error).
 
-    The reference prefills each request alone, in the chunks the run prefilled it in, and
-    computes its routed experts with the FFN ranks' backend. In bfloat16 both matter:
-    another chunking or another backend rounds differently, and where two experts' router
-    scores are that close a token's top-k flips from one layer on -- a difference of a few
-    percent (V3's group-limited routing: more) in one token's final state that says nothing
-    about AFD. What remains between the run and the reference is the batching, which the
-    exchange must not change beyond rounding."""
+    The reference replays each replica's steps -- the same batches, the same chunks of
+    long prompts -- and computes its routed experts with the FFN ranks' backend, so that
+    the one thing it does differently is the MoE exchange under test. In float32 that
+    hardly matters; in bfloat16 it does: another batch shape makes the GEMMs round
+    differently, and where two experts' router scores are that close, a token's top-k
+    flips from one layer on -- a difference of several percent in one token's final state
+    (more with V3's group-limited routing) that would say nothing about AFD."""
     dtype = getattr(torch, args.dtype)
     device = placement.attention[0]
     weights = ranks.random_weights(args.seed, torch.device(device))
     reference = MonolithicModel(config, weights, dtype=dtype, device=device, backend=args.backend)
-    expected: dict[tuple[int, tuple[tuple[int, int], ...]], torch.Tensor] = {}
+    replayed: dict[tuple[Any, ...], dict[int, torch.Tensor]] = {}
     errors: dict[str, dict[int, float]] = {}
     for modes, requests, values, _ in outcomes:
-        by_id = {r.request_id: r for r in requests}
+        prompts = {
+            r.request_id: ranks.request_tokens(r, config.vocab_size, args.seed) for r in requests
+        }
         for mode in modes:
             errors[mode] = {}
             for replica in values:
                 result = replica[mode]
+                key = tuple(tuple(step) for step in result.steps)
+                if key not in replayed:
+                    replayed[key] = _replay(reference, prompts, result.steps)
                 for rid, hidden in result.last_hidden.items():
-                    chunks = tuple(result.chunks.get(rid, ()))
-                    key = (rid, chunks)
-                    if key not in expected:
-                        expected[key] = _reference_state(
-                            reference, config, args, by_id[rid], chunks
-                        )
-                    errors[mode][rid] = relative_error(hidden, expected[key])
+                    errors[mode][rid] = relative_error(hidden, replayed[key][rid])
     del reference
     return errors
 
 
-def _reference_state(
+def _replay(
     reference: MonolithicModel,
-    config: Any,
-    args: argparse.Namespace,
-    request: Request,
-    chunks: tuple[tuple[int, int], ...],
-) -> torch.Tensor:
-    """The request's final hidden state, prefilled alone in ``chunks`` (whole if none)."""
-    prompt = ranks.request_tokens(request, config.vocab_size, args.seed)
-    if not chunks:
-        chunks = ((0, len(prompt)),)
+    prompts: dict[int, torch.Tensor],
+    steps: list[list[tuple[int, int, int, bool]]],
+) -> dict[int, torch.Tensor]:
+    """Every finished request's final hidden state, from the steps a replica ran."""
     cache = KVCache()
-    for begin, end in chunks:
-        entry = PromptChunk(request.request_id, prompt[begin:end], begin, end == len(prompt))
-        out = reference.forward([entry], compute_logits=False, cache=cache)
-    return out.last_hidden_states()[0].float().cpu()
+    out: dict[int, torch.Tensor] = {}
+    for step in steps:
+        entries = [PromptChunk(rid, prompts[rid][b:e], b, final) for rid, b, e, final in step]
+        last = reference.forward(entries, compute_logits=False, cache=cache)
+        states = last.last_hidden_states().float().cpu()
+        for row, (rid, _, _, final) in enumerate(step):
+            if final:
+                out[rid] = states[row]
+    return out
 
 
 __all__ = ["MODES", "AFDError", "add_parser", "run"]

@@ -71,9 +71,9 @@ class ModeResult:
     dummy_batches: int = 0
     origin: float = 0.0
     """``time.monotonic()`` at the mode start (comparable across processes on Linux)."""
-    chunks: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    """request id -> the ``(begin, end)`` token ranges it was prefilled in, in order (the
-    reference replays them: in bfloat16 chunk boundaries change the numerics)."""
+    steps: list[list[tuple[int, int, int, bool]]] = field(default_factory=list)
+    """Every real step's batch: ``(request id, begin, end, final)`` per chunk, in order (the
+    reference replays them: in bfloat16 the batching changes the rounding)."""
     layer_times: dict[str, float] = field(default_factory=dict)
     """Per MoE layer: compute, dispatch and combine times (:mod:`afd_tools.run.breakdown`)."""
 
@@ -281,9 +281,8 @@ def attention_replica(
             result.busy_s += end - start - waited
             result.wait_s += waited
             result.batches.append((start, end, sum(c.end - c.begin for c in chunks)))
-            for c in chunks:
-                result.chunks.setdefault(c.request_id, []).append((c.begin, c.end))
             if chunks:
+                result.steps.append([(c.request_id, c.begin, c.end, c.final) for c in chunks])
                 last = output.last_hidden_states().float().cpu()
                 for row, chunk in enumerate(chunks):
                     if chunk.final:  # the prompt's last token: its time to first token
