@@ -205,7 +205,7 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     """One row per (preset, workload, mode); a failed or unverified run says so."""
     lines = [
         "| preset | workload | mode | tokens/s | TTFT p50 s | TTFT p99 s | per layer: compute / "
-        "dispatch / combine ms | FFN ms per item | async / this | verified |",
+        "dispatch / combine ms | FFN ms per item | async / this | verified (worst error) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for entry in results:
@@ -228,10 +228,14 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             ratio = "-"
             if mode != "async" and "async" in modes:
                 ratio = f"{modes['async']['tokens_per_s'] / m['tokens_per_s']:.2f}x"
+            worst = report.get("verification_worst", {}).get(mode, {}).get("relative_error")
+            verdict = "no" if mode in bad else "yes"
+            if worst is not None:
+                verdict += f" ({worst:.1e})"
             lines.append(
                 f"| {entry['preset']} | {entry['workload']} | {mode} | {m['tokens_per_s']:.0f} | "
                 f"{m['ttft_p50']:.3f} | {m['ttft_p99']:.3f} | {split} | {item} | {ratio} | "
-                f"{'no' if mode in bad else 'yes'} |"
+                f"{verdict} |"
             )
     return "\n".join(lines)
 
