@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from afd_protocol import AttentionEndpoint, DispatchHandle, SharedPlacement, WorkItem
+from afd_protocol import AttentionEndpoint, DispatchHandle, WorkItem
+from afd_tools.run.forwarding import ForwardingEndpoint
 
 
 class Clock:
@@ -66,32 +67,16 @@ class LayerTimes:
         }
 
 
-@dataclass
-class TimedEndpoint:
+class TimedEndpoint(ForwardingEndpoint):
     """An attention endpoint whose calls are timed (see the module docstring); call
     :meth:`begin_step` before a step and :meth:`end_step` once the device finished it."""
 
-    endpoint: AttentionEndpoint
-    clock: Clock
-    totals: LayerTimes = field(default_factory=LayerTimes)
-    _marks: list[tuple[str, Any, Any]] = field(default_factory=list)
-    _step_start: Any = None
-
-    @property
-    def rank(self) -> int:
-        return self.endpoint.rank
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.endpoint.dtype
-
-    @property
-    def shared_placement(self) -> SharedPlacement:
-        return self.endpoint.shared_placement
-
-    @property
-    def in_flight(self) -> int:
-        return self.endpoint.in_flight
+    def __init__(self, endpoint: AttentionEndpoint, clock: Clock) -> None:
+        super().__init__(endpoint)
+        self.clock = clock
+        self.totals = LayerTimes()
+        self._marks: list[tuple[str, Any, Any]] = []
+        self._step_start: Any = None
 
     def begin_step(self) -> None:
         self._marks.clear()
@@ -132,15 +117,6 @@ class TimedEndpoint:
         out = self.endpoint.combine(handle, timeout)
         self._marks.append(("combine", start, self.clock.mark()))
         return out
-
-    def announce_shutdown(self) -> None:
-        self.endpoint.announce_shutdown()
-
-    def abort(self) -> None:
-        self.endpoint.abort()
-
-    def close(self) -> None:
-        self.endpoint.close()
 
 
 Compute = Callable[[WorkItem], tuple[torch.Tensor, torch.Tensor | None]]

@@ -104,24 +104,18 @@ class ExpertParallelHandle:
     ffn_ranks: tuple[int, ...] = ()
 
 
-def _gather(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    gather = getattr(dist, "all_gather_single", None)
-    if gather is not None:
-        gather(output, tensor, group=group)
+def _collective(
+    current: str, older: str, output: torch.Tensor, tensor: torch.Tensor, group: Any
+) -> None:
+    """Call ``torch.distributed.<current>`` (torch >= 2.13), else ``<older>`` (torch 2.11,
+    where the GPU host is; deprecated later)."""
+    call = getattr(dist, current, None)
+    if call is not None:
+        call(output, tensor, group=group)
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dist.all_gather_into_tensor(output, tensor, group=group)
-
-
-def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None)
-    if scatter is not None:
-        scatter(output, tensor, group=group)
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.reduce_scatter_tensor(output, tensor, group=group)
+        getattr(dist, older)(output, tensor, group=group)
 
 
 class ExpertParallelEndpoint:
@@ -243,7 +237,7 @@ class ExpertParallelEndpoint:
         local = self._on_wire(tensor.contiguous())
         out = local.new_empty(self.world * local.shape[0], *local.shape[1:])
         start = time.perf_counter()
-        _gather(out, local, self.group)
+        _collective("all_gather_single", "all_gather_into_tensor", out, local, self.group)
         self.exchange_s += time.perf_counter() - start
         return out.to(self.device)
 
@@ -251,7 +245,7 @@ class ExpertParallelEndpoint:
         local = self._on_wire(tensor.contiguous())
         out = local.new_empty(local.shape[0] // self.world, *local.shape[1:])
         start = time.perf_counter()
-        _reduce_scatter(out, local, self.group)
+        _collective("reduce_scatter_single", "reduce_scatter_tensor", out, local, self.group)
         self.exchange_s += time.perf_counter() - start
         return out.to(self.device)
 

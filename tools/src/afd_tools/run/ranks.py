@@ -36,13 +36,13 @@ from afd_protocol import (
     Connection,
     DispatchHandle,
     EndpointOptions,
-    SharedPlacement,
     serve,
 )
 from afd_protocol.core.rendezvous import check_supervisor
 from afd_protocol.launch import roster
 from afd_tools.run.breakdown import Clock, ItemTimer, LayerTimes, TimedEndpoint
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
+from afd_tools.run.forwarding import ForwardingEndpoint
 from afd_tools.run.lockstep import Lockstep
 from afd_tools.run.staging import StagedAttentionEndpoint, staged_compute
 from afd_tools.run.workload import ChunkQueue, Request
@@ -78,31 +78,15 @@ class ModeResult:
     """Per MoE layer: compute, dispatch and combine times (:mod:`afd_tools.run.breakdown`)."""
 
 
-class LockstepEndpoint:
+class LockstepEndpoint(ForwardingEndpoint):
     """An attention endpoint whose every dispatch first waits for all replicas: the
     lockstep of synchronous AFD, as an :class:`~afd_protocol.AttentionEndpoint`."""
 
     def __init__(self, endpoint: AttentionEndpoint, lockstep: Lockstep, timeout: float) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint)
         self.lockstep = lockstep
         self.timeout = timeout
         self.wait_s = 0.0
-
-    @property
-    def rank(self) -> int:
-        return self.endpoint.rank
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.endpoint.dtype
-
-    @property
-    def shared_placement(self) -> SharedPlacement:
-        return self.endpoint.shared_placement
-
-    @property
-    def in_flight(self) -> int:
-        return self.endpoint.in_flight
 
     def dispatch(
         self,
@@ -116,18 +100,6 @@ class LockstepEndpoint:
         self.lockstep.barrier(self.timeout, f"lockstep before layer {layer_idx}")
         self.wait_s += time.monotonic() - start
         return self.endpoint.dispatch(layer_idx, hidden_states, topk_ids, topk_weights, stage)
-
-    def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
-        return self.endpoint.combine(handle, timeout)
-
-    def announce_shutdown(self) -> None:
-        self.endpoint.announce_shutdown()
-
-    def abort(self) -> None:
-        self.endpoint.abort()
-
-    def close(self) -> None:
-        self.endpoint.close()
 
 
 def rank_device(connection: Connection, device: str) -> torch.device:

@@ -18,37 +18,21 @@ import torch
 from afd_protocol import (
     AttentionEndpoint,
     DispatchHandle,
-    SharedPlacement,
     WorkItem,
 )
 from afd_protocol.core.workitem import WorkItemPart
+from afd_tools.run.forwarding import ForwardingEndpoint
 
 
-class StagedAttentionEndpoint:
+class StagedAttentionEndpoint(ForwardingEndpoint):
     """An attention endpoint on ``endpoint_device`` used by a model on ``model_device``."""
 
     def __init__(
         self, endpoint: AttentionEndpoint, endpoint_device: torch.device, model_device: torch.device
     ) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint)
         self.endpoint_device = endpoint_device
         self.model_device = model_device
-
-    @property
-    def rank(self) -> int:
-        return self.endpoint.rank
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.endpoint.dtype
-
-    @property
-    def shared_placement(self) -> SharedPlacement:
-        return self.endpoint.shared_placement
-
-    @property
-    def in_flight(self) -> int:
-        return self.endpoint.in_flight
 
     def dispatch(
         self,
@@ -69,15 +53,6 @@ class StagedAttentionEndpoint:
 
     def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
         return self.endpoint.combine(handle, timeout).to(self.model_device)
-
-    def announce_shutdown(self) -> None:
-        self.endpoint.announce_shutdown()
-
-    def abort(self) -> None:
-        self.endpoint.abort()
-
-    def close(self) -> None:
-        self.endpoint.close()
 
 
 def part_on(part: WorkItemPart, device: torch.device) -> WorkItemPart:
