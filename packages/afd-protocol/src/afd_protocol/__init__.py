@@ -104,6 +104,7 @@ from afd_protocol.core.workitem import (
 )
 from afd_protocol.shm.segments import SharedSegment, share_segments
 from afd_protocol.shm.segments import check_platform as check_shared_memory_platform
+from afd_protocol.shm.transport import ShmTransport
 
 try:
     __version__ = version("afd-protocol")
@@ -152,6 +153,7 @@ __all__ = [
     "ServeStats",
     "SharedPlacement",
     "SharedSegment",
+    "ShmTransport",
     "SlotLayout",
     "TcpStore",
     "Topology",

@@ -1,0 +1,74 @@
+"""Connectors: created lazily by name, a missing backend named with its extra, and the host
+connector carrying real work between processes through the custom operators, compiled."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from afd_vllm_workers import GEOMETRY, attention, connector, ffn, open_connection
+
+import afd_vllm
+from afd_protocol import Role
+from afd_protocol.launch import launch
+from afd_vllm.connectors.factory import connector_class
+from afd_vllm.extra import AFDConfigError
+
+
+def test_a_missing_backend_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.import_module
+
+    def without_nvshmem(name: str, *args: Any) -> Any:
+        if name == "afd_vllm.connectors.gpu":
+            raise ImportError("No module named 'afd_transport_nvshmem'")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_nvshmem)
+    with pytest.raises(AFDConfigError, match=r"pip install 'afd-vllm\[cuda\]'"):
+        connector_class("GpuAsyncAFDConnector")
+    with pytest.raises(AFDConfigError, match=r"afd\.connector must be one of"):
+        connector_class("Nope")
+
+
+def test_the_version_gate_names_the_supported_range() -> None:
+    assert afd_vllm.supported_vllm("0.32.0")
+    assert afd_vllm.supported_vllm("0.33.1+cpu")
+    assert not afd_vllm.supported_vllm("0.26.0")
+    with pytest.raises(AFDConfigError) as caught:
+        afd_vllm.check_vllm_version("0.26.0")
+    assert str(caught.value) == "afd-vllm supports vLLM 0.32.x or 0.33.x; found vLLM 0.26.0"
+
+
+def test_registration_is_idempotent() -> None:
+    afd_vllm.register_afd()
+    afd_vllm.register_afd()
+    assert afd_vllm._registered
+
+
+@pytest.mark.timeout(180)
+def test_the_host_connector_serves_compiled_dispatch_and_combine_across_processes(
+    tmp_path: Path,
+) -> None:
+    from afd_protocol.launch import RankSpec
+
+    window = connector(Role.ATTENTION, str(tmp_path)).window()
+    results = launch(
+        window,
+        [RankSpec(Role.ATTENTION, 0, attention), RankSpec(Role.FFN, 0, ffn)],
+        transport_factory=open_connection,
+        timeout=150,
+    )
+    assert results["attention rank 0"].value < 1e-4
+    assert results["ffn rank 0"].value == GEOMETRY.num_layers
+
+
+def test_combine_without_a_bound_endpoint_or_twice_is_refused() -> None:
+    x = torch.zeros(2, 4)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(Exception, match="no endpoint bound"):
+        torch.ops.afd.moe_dispatch(x, ids, torch.ones(2, 1), 0, 0)
+    with pytest.raises(Exception, match="ticket 12345 names no dispatch in flight"):
+        torch.ops.afd.moe_combine(torch.tensor(12345), x)
