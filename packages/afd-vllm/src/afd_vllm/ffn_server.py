@@ -1,0 +1,136 @@
+"""``afd-vllm ffn``: the FFN role, a process that holds only its routed experts and serves
+the attention engines' work items until every attention rank announced shutdown.
+
+It takes the same ``--additional-config`` as the attention engine (with ``"role": "ffn"``)
+and the same model directory (a Hugging Face checkpoint: ``config.json`` and safetensors);
+it reads from the checkpoint only the routed experts of its rank. Its geometry must match
+the attention side's (``--max-num-batched-tokens``, ``--dtype``): the connectors compare a
+digest of it at start-up and name the first difference.
+
+    afd-vllm ffn --model DIR --rank 0 --max-num-batched-tokens 2048 \\
+        --additional-config '{"afd": {"role": "ffn", "connector": "HostAsyncAFDConnector"}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import torch
+
+from afd_models import DeepseekConfig, FFNRoleExecutor
+from afd_models.weights import SafetensorsWeights
+from afd_protocol import AFDError
+from afd_vllm.config import parse_afd_config
+from afd_vllm.connectors.base import ModelGeometry
+from afd_vllm.connectors.factory import create_connector
+from afd_vllm.extra import AFDConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="afd-vllm", description="afd's vLLM plugin tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ffn = sub.add_parser(
+        "ffn",
+        help="run the FFN role: this rank's routed experts, serving until shutdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ffn.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    ffn.add_argument("--rank", type=int, default=0, help="this FFN rank (0-based)")
+    ffn.add_argument(
+        "--additional-config",
+        required=True,
+        help='the engine\'s JSON, with {"afd": {"role": "ffn", ...}}',
+    )
+    ffn.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        required=True,
+        help="the attention engines' value (it sizes the windows)",
+    )
+    ffn.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the engines' dtype")
+    ffn.add_argument("--device", default="cpu", help="where the experts run (cpu, cuda:N)")
+    ffn.add_argument("--backend", default="reference", help="afd_models expert backend")
+    ffn.add_argument(
+        "--connect-timeout", type=float, default=300.0, help="seconds to wait for the peers"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return serve_ffn(args)
+    except (AFDConfigError, AFDError, OSError) as exc:
+        print(f"afd-vllm ffn: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_ffn(args: argparse.Namespace) -> int:
+    try:
+        additional = json.loads(args.additional_config)
+    except json.JSONDecodeError as exc:
+        raise AFDConfigError(f"--additional-config is not JSON: {exc}") from None
+    config = parse_afd_config(additional, expected_role="ffn")
+    if config is None:
+        raise AFDConfigError('--additional-config has no "afd" entry')
+    if not (args.model / "config.json").is_file():
+        raise AFDConfigError(f"--model {args.model}: no config.json there")
+    model = DeepseekConfig.from_json(args.model / "config.json")
+    geometry = ModelGeometry(
+        hidden_size=model.hidden_size,
+        num_experts=model.n_routed_experts,
+        topk=model.num_experts_per_tok,
+        num_layers=model.num_hidden_layers,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+    )
+    connector = create_connector(config, geometry)
+    local = connector.layout().topology.local_experts(args.rank)
+    started = time.perf_counter()
+    executor = FFNRoleExecutor(
+        model,
+        local,
+        SafetensorsWeights(args.model),
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        backend=args.backend,
+    )
+    signal.signal(signal.SIGTERM, _stop)
+    connection = connector.connect(args.rank, args.connect_timeout)
+    try:
+        endpoint = connection.ffn_endpoint(connector.endpoint_options())
+        print(
+            f"afd-vllm ffn: rank {args.rank} ready ({len(local)} experts, "
+            f"{time.perf_counter() - started:.1f} s); serving",
+            flush=True,
+        )
+        stats = executor.serve(endpoint, keep_waiting=True)
+    except KeyboardInterrupt:
+        connection.abort()
+        print(f"afd-vllm ffn: rank {args.rank} stopped", flush=True)
+        return 130
+    except BaseException:
+        connection.abort()
+        raise
+    finally:
+        connection.close()
+    print(f"afd-vllm ffn: rank {args.rank} served {len(stats.items)} work items; shut down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
