@@ -93,3 +93,53 @@ def test_float32_on_the_gpu_matches_the_reference_to_float32_precision(tmp_path:
     data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *extra)
     assert "(tolerance 1e-05; worst " in out
     assert data["verification_failures"] == {}
+
+
+def _gpu_processes() -> set[int]:
+    """Pids holding a CUDA context on any GPU (nvidia-smi's compute apps)."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {int(line) for line in out.split() if line.strip().isdigit()}
+
+
+def test_ctrl_c_stops_every_rank_and_frees_every_gpu(tmp_path: Path) -> None:
+    """Ctrl-C to the launcher's process group while the ranks wait for sparse arrivals:
+    exit 130, every rank process gone, and none of them holds GPU memory any more."""
+    import os
+    import signal
+    import time
+
+    extra = ["--share-gpus", "--transport", "shm"] if GPUS < 2 else []
+    before = _gpu_processes()
+    argv = [*SMALL, *extra, "--requests", "400", "--rate", "20"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "afd_tools.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(_gpu_processes() - before) < 2:  # both ranks hold a context
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the ranks never started on the GPU"
+            time.sleep(0.5)
+        time.sleep(2)
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130, stderr
+        assert "interrupted; every rank process was stopped" in stderr
+        deadline = time.monotonic() + 30
+        while _gpu_processes() - before:
+            assert time.monotonic() < deadline, _gpu_processes() - before
+            time.sleep(0.5)
+        _no_afd_process_left()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
