@@ -26,7 +26,7 @@ from afd_models.mlp import GatedMLP
 from afd_models.params import ModelParams, shared_placement_of
 from afd_models.scaling import BranchScales
 from afd_models.weights import WeightSource
-from afd_protocol import FFNEndpoint, ServeStats, SharedPlacement, WorkItem, serve
+from afd_protocol import Compute, FFNEndpoint, ServeStats, SharedPlacement, WorkItem, serve
 
 
 class FFNRoleExecutor:
@@ -111,23 +111,31 @@ class FFNRoleExecutor:
         return torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
 
     def serve(
-        self, endpoint: FFNEndpoint, *, timeout: float | None = None, keep_waiting: bool = False
+        self,
+        endpoint: FFNEndpoint,
+        *,
+        timeout: float | None = None,
+        keep_waiting: bool = False,
+        compute: Compute | None = None,
     ) -> ServeStats:
         """Serve work items with :func:`afd_protocol.serve` until every attention rank shut down.
 
         ``timeout`` bounds each wait for the next item (``PeerTimeout`` when exceeded,
         unless ``keep_waiting``: then idle stretches are waited out, and only a failed peer
-        ends the loop); ``None`` uses the endpoint's own timeout.
+        ends the loop); ``None`` uses the endpoint's own timeout. ``compute`` replaces
+        :meth:`compute` (a caller's wrapper of it: timing, moving items between devices).
         """
-        self.check_endpoint(endpoint)
+        self._check_endpoint(endpoint)
         return serve(
-            endpoint, self.compute, timeout=timeout, while_idle="wait" if keep_waiting else "raise"
+            endpoint,
+            compute or self.compute,
+            timeout=timeout,
+            while_idle="wait" if keep_waiting else "raise",
         )
 
-    def check_endpoint(self, endpoint: FFNEndpoint) -> None:
+    def _check_endpoint(self, endpoint: FFNEndpoint) -> None:
         """Raise :class:`ConfigError` unless ``endpoint`` serves this executor's experts with
-        its shared-expert placement (for callers that run their own serving loop around
-        :meth:`compute`)."""
+        its shared-expert placement."""
         if tuple(endpoint.local_experts) != self.local_experts:
             raise ConfigError(
                 f"this executor holds experts {list(self.local_experts)} but FFN rank "

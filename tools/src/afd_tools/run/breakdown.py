@@ -11,13 +11,12 @@ readings. An FFN rank times each work item's expert compute the same way.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from afd_protocol import AttentionEndpoint, DispatchHandle, WorkItem
+from afd_protocol import AttentionEndpoint, Compute, DispatchHandle, WorkItem
 from afd_tools.run.forwarding import ForwardingEndpoint
 
 
@@ -117,9 +116,6 @@ class TimedEndpoint(ForwardingEndpoint):
         out = self.endpoint.combine(handle, timeout)
         self._marks.append(("combine", start, self.clock.mark()))
         return out
-
-
-Compute = Callable[[WorkItem], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class ItemTimer:

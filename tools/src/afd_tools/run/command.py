@@ -10,7 +10,7 @@ import multiprocessing as mp
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -26,6 +26,7 @@ from afd_protocol import (
     SharedPlacement,
     SlotLayout,
     Topology,
+    WindowLayout,
     WireFormat,
     relative_error,
 )
@@ -281,12 +282,21 @@ def _run(args: argparse.Namespace) -> int:
     requests = assign(lengths, arrivals, args.attention_ranks, args.assign, tokens)
     expert_parallel = "colocated" in modes and args.colocated == "dp-ep"
     afd_modes = [m for m in modes if not (m == "colocated" and expert_parallel)]
-    groups = [
-        _afd_group(args, config, placement, requests, afd_modes) if afd_modes else None,
-        _colocated_group(args, config, placement, lengths, arrivals, tokens)
-        if expert_parallel
-        else None,
-    ]
+    # Each launch is built just before it runs (its pipes open only then).
+    groups: list[Callable[[Connection], _Group]] = []
+    if afd_modes:
+        transport = _afd_transport(args, config)
+        groups.append(
+            lambda progress: _afd_group(
+                args, config, placement, requests, afd_modes, transport, progress
+            )
+        )
+    if expert_parallel:
+        groups.append(
+            lambda progress: _colocated_group(
+                args, config, placement, lengths, arrivals, tokens, progress
+            )
+        )
     square = sum(n * n for n in lengths)
     print(
         f"afd run: {args.attention_ranks} attention x {args.ffn_ranks} FFN processes on "
@@ -296,7 +306,7 @@ def _run(args: argparse.Namespace) -> int:
         f"requests ({args.workload_file or args.workload}: {sum(lengths)} tokens, sum of "
         f"squares {square}), modes {', '.join(modes)}"
         + (
-            f"; colocated = DP{placement.colocated.__len__()}+EP over {placement.exchange}"
+            f"; colocated = DP{len(placement.colocated)}+EP over {placement.exchange}"
             if expert_parallel
             else ""
         )
@@ -304,9 +314,8 @@ def _run(args: argparse.Namespace) -> int:
     total = len(requests) * len(modes)
     outcomes: list[tuple[list[str], list[Request], list[Any], list[Any]]] = []
     with _progress_bar(total, args) as progress:
-        for group in groups:
-            if group is not None:
-                outcomes.append(group.run(progress, args))
+        for build in groups:
+            outcomes.append(build(progress).run(args))
 
     tolerance = _tolerance(args)
     errors = _verify(config, args, placement, outcomes)
@@ -379,11 +388,8 @@ class _Group:
     pipes: list[Connection]
 
     def run(
-        self, progress: Connection, args: argparse.Namespace
+        self, args: argparse.Namespace
     ) -> tuple[list[str], list[Request], list[Any], list[Any]]:
-        for spec in self.specs:
-            if spec.role is Role.ATTENTION:
-                spec.kwargs["progress"] = progress
         try:
             results = _launch(self.window, self.specs, args, self.factory)
         finally:
@@ -403,6 +409,7 @@ def _replica_spec(
     device: str,
     inboxes: list[Connection],
     outboxes: list[Connection],
+    progress: Connection,
 ) -> RankSpec:
     return RankSpec(
         Role.ATTENTION,
@@ -420,17 +427,13 @@ def _replica_spec(
             "run_timeout": args.run_timeout,
             "device": device,
             "num_stages": args.stages,
+            "progress": progress,
         },
     )
 
 
-def _afd_group(
-    args: argparse.Namespace,
-    config: Any,
-    placement: Placement,
-    requests: list[Request],
-    modes: list[str],
-) -> _Group:
+def _afd_transport(args: argparse.Namespace, config: Any) -> tuple[WindowLayout, TransportFactory]:
+    """The AFD launch's window and connection factory (checked before anything runs)."""
     topology = Topology(args.attention_ranks, args.ffn_ranks, config.n_routed_experts)
     slot = SlotLayout(
         topology,
@@ -442,12 +445,25 @@ def _afd_group(
         wire_format=args.wire_format,
         combine_reduce=args.combine_reduce,
     )
-    window = slot.window(ring_depth=args.stages)
-    factory = _transport_factory(args, slot)
+    return slot.window(ring_depth=args.stages), _transport_factory(args, slot)
+
+
+def _afd_group(
+    args: argparse.Namespace,
+    config: Any,
+    placement: Placement,
+    requests: list[Request],
+    modes: list[str],
+    transport: tuple[WindowLayout, TransportFactory],
+    progress: Connection,
+) -> _Group:
+    window, factory = transport
     # Pipes only (no semaphore, no shared-memory name): nothing outlives a crash.
     inboxes, outboxes = lockstep_pipes(_SPAWN, args.attention_ranks)
     specs = [
-        _replica_spec(args, config, r, requests, modes, placement.attention[r], inboxes, outboxes)
+        _replica_spec(
+            args, config, r, requests, modes, placement.attention[r], inboxes, outboxes, progress
+        )
         for r in range(args.attention_ranks)
     ]
     specs += [
@@ -485,6 +501,7 @@ def _colocated_group(
     lengths: list[int],
     arrivals: list[float],
     tokens: list[tuple[int, ...] | None] | None,
+    progress: Connection,
 ) -> _Group:
     """Colocated DP+EP on the A+F processors AFD uses: the same requests and arrivals,
     assigned over A+F replicas by the same policy."""
@@ -509,7 +526,15 @@ def _colocated_group(
     inboxes, outboxes = lockstep_pipes(_SPAWN, world)
     specs = [
         _replica_spec(
-            args, config, r, requests, ["colocated"], placement.colocated[r], inboxes, outboxes
+            args,
+            config,
+            r,
+            requests,
+            ["colocated"],
+            placement.colocated[r],
+            inboxes,
+            outboxes,
+            progress,
         )
         for r in range(world)
     ]

@@ -62,7 +62,7 @@ def summarize(
         busy = sum(max(0.0, min(e, end) - max(s, origin)) for s, e, *_ in intervals)
         ffn_busy.append(busy / makespan)
         # Items taken during this mode (modes run one after the other).
-        item_seconds += [float(i[4]) for i in intervals if len(i) > 4 and origin <= i[0] <= end]
+        item_seconds += [float(i[4]) for i in intervals if origin <= i[0] <= end]
     breakdown = _mean_layer_times([r.layer_times for r in replica_results])
     if item_seconds:
         breakdown["ffn_ms_per_item"] = 1e3 * statistics.fmean(item_seconds)

@@ -36,7 +36,6 @@ from afd_protocol import (
     Connection,
     DispatchHandle,
     EndpointOptions,
-    serve,
 )
 from afd_protocol.core.rendezvous import check_supervisor
 from afd_protocol.launch import roster
@@ -300,8 +299,7 @@ def ffn_rank(
         compute = timer.wrap(executor.compute)
     else:
         compute = staged_compute(timer.wrap(executor.compute), where, connection.device)
-    executor.check_endpoint(endpoint)
-    stats = serve(endpoint, compute, while_idle="wait")
+    stats = executor.serve(endpoint, keep_waiting=True, compute=compute)
     seconds = timer.seconds()
     return {
         "intervals": [

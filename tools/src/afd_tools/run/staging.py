@@ -11,12 +11,12 @@ timings include those copies, so they say nothing about NVSHMEM's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
 from afd_protocol import (
     AttentionEndpoint,
+    Compute,
     DispatchHandle,
     WorkItem,
 )
@@ -65,7 +65,9 @@ def part_on(part: WorkItemPart, device: torch.device) -> WorkItemPart:
     return dataclasses.replace(part, **moved)
 
 
-def staged_compute(compute: Any, device: torch.device, endpoint_device: torch.device) -> Any:
+def staged_compute(
+    compute: Compute, device: torch.device, endpoint_device: torch.device
+) -> Compute:
     """Wrap an FFN executor's ``compute(item) -> (routed, shared)`` so that it sees the
     item on ``device`` and returns its outputs on ``endpoint_device``."""
 
