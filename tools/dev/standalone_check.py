@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Prove that every package stands alone: its wheel builds, installs into a clean venv
-with only its declared dependencies, imports from that venv, and passes its own tests.
+with only its declared dependencies, imports from that venv, and passes its own tests
+(all but those marked ``slow``: they already ran in ``make pytest``, and a second run in
+the clean venv would add minutes on 2 cores for no new information about dependencies).
 
 A dependency that a package uses but does not declare fails here, because the clean venv
 holds nothing else. The one shared piece is torch (large, and identical for every
@@ -101,6 +103,8 @@ def check(package_dir: Path, log: Path) -> tuple[str, str]:
             "-q",
             "-p",
             "no:cacheprovider",
+            "-m",
+            "not slow",
             "-c",
             str(REPO / "pyproject.toml"),
             "--rootdir",

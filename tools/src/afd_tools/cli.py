@@ -10,6 +10,7 @@ from afd_protocol import AFDError
 from afd_tools import __version__, roundtrip, soak
 from afd_tools.bench import cli as bench_cli
 from afd_tools.run import command as run_command
+from afd_tools.sim import cli as sim_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     roundtrip.add_parser(sub)
     bench_cli.add_parser(sub)
     soak.add_parser(sub)
+    sim_cli.add_parser(sub)
     return parser
 
 

@@ -27,7 +27,6 @@ from afd_protocol import (
     SlotLayout,
     Topology,
     WindowLayout,
-    WireFormat,
     relative_error,
 )
 from afd_protocol.launch import RankSpec, TransportFactory, launch, shm_transport
@@ -36,11 +35,10 @@ from afd_tools.run.devices import DEVICE_DEFAULTS, Placement, place, resolve_dev
 from afd_tools.run.expert_parallel import expert_parallel_connection
 from afd_tools.run.lockstep import pipes as lockstep_pipes
 from afd_tools.run.metrics import ModeSummary, ratios, summarize
+from afd_tools.run.options import add_wire_options, add_workload_options
 from afd_tools.run.outputs import check_writable, write_atomically
 from afd_tools.run.report import print_report, write_plot
 from afd_tools.run.workload import (
-    ASSIGNMENTS,
-    PRESETS,
     Request,
     WorkloadError,
     arrival_times,
@@ -91,54 +89,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attention-ranks", type=int, default=2, help="attention DP replicas (A)")
     p.add_argument("--ffn-ranks", type=int, default=2, help="FFN ranks (F)")
     p.add_argument("--mode", choices=[*MODES, "all"], default="all", help="which modes to run")
-    p.add_argument("--workload", choices=PRESETS, default="uneven", help="prompt-length mix")
-    p.add_argument(
-        "--workload-file",
-        type=Path,
-        default=None,
-        help="JSONL with prompt_len (a whole number) or prompt_tokens (token ids) per line "
-        "(overrides --workload)",
-    )
-    p.add_argument("--requests", type=int, default=48, help="number of requests")
-    p.add_argument(
-        "--max-prompt-len",
-        type=int,
-        default=256,
-        help="longest prompt of a --workload preset; any length up to the model's "
-        "max_position_embeddings works with any --max-num-batched-tokens (long prompts are "
-        "prefilled in chunks)",
-    )
-    p.add_argument(
-        "--rate",
-        type=float,
-        default=None,
-        help="Poisson arrivals at this many requests/s (default: all at once)",
-    )
-    p.add_argument(
-        "--assign",
-        choices=ASSIGNMENTS,
-        default="round-robin",
-        help="how requests are given to replicas",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=256,
-        help="tokens per prefill step and replica (also the slot capacity); longer prompts "
-        "are prefilled in chunks over several steps",
-    )
+    add_workload_options(p)
     p.add_argument(
         "--dtype",
         choices=sorted(TOLERANCE),
         default=None,
         help="activations and weights (default: float32 on cpu, bfloat16 on cuda)",
-    )
-    p.add_argument(
-        "--stages",
-        type=int,
-        default=1,
-        help="async mode: token-level stages per step (the attention of stage i+1 overlaps "
-        "the FFN work of stage i)",
     )
     p.add_argument(
         "--colocated",
@@ -149,26 +105,7 @@ def add_parser(sub: Any) -> None:
         "routed experts, tokens exchanged every MoE layer by all_gather + reduce_scatter "
         "(NCCL on cuda, gloo on cpu) (default: dp on cpu, dp-ep on cuda)",
     )
-    p.add_argument(
-        "--shared",
-        choices=[s.value for s in SharedPlacement],
-        default="attention",
-        help="where shared experts run",
-    )
-    p.add_argument(
-        "--wire-format",
-        choices=[w.value for w in WireFormat],
-        default="per_rank",
-        help="per_rank: a token's row travels once per FFN rank holding any of its experts; "
-        "per_choice: once per (token, expert)",
-    )
-    p.add_argument(
-        "--combine-reduce",
-        choices=[c.value for c in CombineReduce],
-        default="ffn",
-        help="who weights and sums a token's partials: the FFN ranks (per_rank only, one "
-        "reply row per token) or the attention side",
-    )
+    add_wire_options(p)
     p.add_argument(
         "--transport",
         choices=TRANSPORTS,

@@ -9,11 +9,15 @@ from typing import Any
 from afd_tools.run.metrics import ModeSummary, mean
 
 
-def print_report(summaries: Mapping[str, ModeSummary], ratios: Mapping[str, float]) -> None:
+def print_report(
+    summaries: Mapping[str, ModeSummary],
+    ratios: Mapping[str, float],
+    title: str = "afd run: prefill, per mode",
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="afd run: prefill, per mode")
+    table = Table(title=title)
     for column in (
         "mode",
         "TTFT p50 s",

@@ -1,0 +1,399 @@
+"""``afd sim calibrate``: coefficients of the cost model from measurements.
+
+Two sources:
+
+* **measured runs** (``afd run --json`` reports, or ``afd bench prefill --json`` files that
+  hold several): every report carries its exact requests and, per mode, the per-MoE-layer
+  breakdown (attention-side compute, dispatch) and the FFN ranks' mean time per item. The
+  simulator replays each run, which gives the cost model's inputs summed the way the
+  report averages them (tokens, squared tokens, rows, experts touched, bytes) -- and how
+  much the simulated ranks were slowed down by sharing the processors. A non-negative
+  least-squares fit (relative errors) of the measured times on those inputs gives the
+  coefficients; replaying again with them refines the slow-down, three times. The number
+  of ``cores`` (how much two busy processes really get on this machine: hyper-threads and
+  memory bandwidth make it less than the core count) and the arrival-notification latency
+  cannot be read off a breakdown, nor can the share of a core that a waiting rank's
+  polling takes (``idle_load``), so they are chosen on a grid: the values whose
+  simulation best predicts the training runs' makespan and TTFT p50;
+* **anchors** (a JSON file of measured per-layer figures with their sources, e.g.
+  ``calibrations/h200-anchors.json``): straight-line fits of attention time on (1, T,
+  sum of squares), FFN time on (experts, rows), dispatch+combine on bytes, the colocated
+  exchange on bytes. This is how the H200 projection is calibrated.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from afd_models import preset
+from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
+from afd_tools.sim.measured import MeasuredRun
+from afd_tools.sim.modes import ModeRun
+from afd_tools.sim.simulate import deployment, simulate_mode, summary
+
+CORES_GRID = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
+NOTIFY_GRID = (5e-5, 2e-4, 5e-4)
+IDLE_GRID = (0.0, 0.1)
+BARRIER_S = 5e-5
+"""CPU lockstep: one message through a pipe to each other replica (a blocking poll wakes
+at once); fixed, not fitted."""
+ITERATIONS = 3
+AFD_MODES = ("async", "sync")
+
+
+def nnls_relative(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """Non-negative least squares on relative errors: minimise ``sum((x.row / t - 1)**2)``
+    with ``x >= 0`` (active set: drop the most negative coefficient and solve again)."""
+    a = np.array(rows, dtype=float)
+    b = np.array(targets, dtype=float)
+    if a.size == 0:
+        raise SimError("no measurements to fit (the runs have no per-layer breakdown)")
+    scale = np.where(b > 0, 1.0 / np.maximum(b, 1e-12), 0.0)
+    a = a * scale[:, None]
+    b = b * scale
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
+    free = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if (sol >= 0).all():
+            x[:] = 0
+            x[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
+    return [float(v) for v in x / norms]
+
+
+@dataclass
+class _Replay:
+    """One distinct configuration and mode, simulated once, with the measurements of
+    every repeat of it."""
+
+    run: MeasuredRun
+    mode: str
+    measured: list[dict[str, Any]]
+    sim: ModeRun
+
+
+def _key(run: MeasuredRun) -> tuple[Any, ...]:
+    """Runs with equal keys are repeats (same deployment, same requests)."""
+    return (
+        run.attention_ranks,
+        run.ffn_ranks,
+        run.budget,
+        run.stages,
+        run.colocated,
+        run.assign,
+        run.wire,
+        run.requests,
+    )
+
+
+def _replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str]) -> list[_Replay]:
+    groups: dict[tuple[Any, ...], tuple[MeasuredRun, dict[str, list[dict[str, Any]]]]] = {}
+    for run in runs:
+        _, by_mode = groups.setdefault(_key(run), (run, {}))
+        for mode, measured in run.modes.items():
+            by_mode.setdefault(mode, []).append(measured)
+    out = []
+    for first, by_mode in groups.values():
+        dep = _deployment(first, cal)
+        for mode in modes:
+            if mode in by_mode:
+                sim = simulate_mode(dep, mode, first.requests, first.assign)
+                out.append(_Replay(first, mode, by_mode[mode], sim))
+    return out
+
+
+def _deployment(run: MeasuredRun, cal: Calibration) -> Any:
+    return deployment(
+        run.config,
+        cal,
+        attention_ranks=run.attention_ranks,
+        ffn_ranks=run.ffn_ranks,
+        budget=run.budget,
+        stages=run.stages,
+        colocated=run.colocated,
+        wire=run.wire,
+        dtype=run.dtype,
+    )
+
+
+def _regress(replays: list[_Replay], cal: Calibration) -> Calibration:
+    """One least-squares pass: coefficients from the measured breakdowns, given the
+    simulated inputs and slow-downs of ``replays``."""
+    attn_rows, attn_t = [], []
+    ffn_rows, ffn_t = [], []
+    disp_rows, disp_t = [], []
+    pairs = [(rp, m.get("breakdown") or {}) for rp in replays for m in rp.measured]
+    for rp, b in pairs:
+        recs = [r for r in rp.sim.replicas if r.dispatches]
+        if "compute_ms_per_layer" in b and recs:
+            row = [0.0, 0.0, 0.0]
+            for r in recs:
+                s = r.attention.stretch / r.dispatches / len(recs)
+                row[0] += s * r.attention.count
+                row[1] += s * r.attention.tokens
+                row[2] += s * r.attention.square
+            attn_rows.append(row)
+            attn_t.append(b["compute_ms_per_layer"] / 1e3)
+        if "dispatch_ms_per_layer" in b and recs:
+            row = [0.0, 0.0]
+            for r in recs:
+                s = r.dispatch.stretch / r.dispatches / len(recs)
+                row[0] += s * r.dispatch.count
+                row[1] += s * r.dispatch.square  # bytes
+            disp_rows.append(row)
+            disp_t.append(b["dispatch_ms_per_layer"] / 1e3)
+        f = rp.sim.ffn
+        if "ffn_ms_per_item" in b and f.items:
+            s = f.stretch / f.items
+            ffn_rows.append([s * f.serves, s * f.touched, s * f.rows])
+            ffn_t.append(b["ffn_ms_per_item"] / 1e3)
+    a0, a1, a2 = nnls_relative(attn_rows, attn_t)
+    f0, fe, fr = nnls_relative(ffn_rows, ffn_t)
+    d0, d1 = nnls_relative(disp_rows, disp_t)
+    bandwidth = 1.0 / d1 if d1 > 0 else 1e15
+    return cal.replace(
+        attn_fixed_s=a0,
+        attn_token_s=a1,
+        attn_square_s=a2,
+        ffn_item_s=f0,
+        ffn_expert_s=fe,
+        ffn_row_s=fr,
+        dispatch_latency_s=d0,
+        dispatch_bandwidth=bandwidth,
+        combine_latency_s=d0,
+        combine_bandwidth=bandwidth,
+    )
+
+
+def _log_error(predicted: float, measured: float) -> float:
+    return abs(math.log(max(predicted, 1e-12) / max(measured, 1e-12)))
+
+
+def score(runs: Sequence[MeasuredRun], cal: Calibration) -> float:
+    """Mean absolute log error of the simulated makespan and TTFT p50 against the median
+    of the repeats, over every mode of every configuration (what the grid search
+    minimises)."""
+    errors = []
+    for rp in _replay(runs, cal, ("async", "sync", "colocated")):
+        s = summary(rp.sim)
+        for key, value in (("makespan_s", s.makespan_s), ("ttft_p50", s.ttft_p50)):
+            median = statistics.median(m[key] for m in rp.measured)
+            errors.append(_log_error(value, median))
+    return statistics.fmean(errors) if errors else math.inf
+
+
+def _start(run: MeasuredRun, cores: float | None, notify: float) -> Calibration:
+    """Rough coefficients to replay with before the first fit (only the slow-downs of the
+    first replay depend on them)."""
+    return Calibration(
+        device=run.device,
+        preset=run.preset,
+        dtype=run.dtype,
+        layers=run.config.num_hidden_layers,
+        attn_fixed_s=1e-3,
+        attn_token_s=1e-5,
+        attn_square_s=1e-8,
+        ffn_item_s=1e-3,
+        ffn_expert_s=1e-4,
+        ffn_row_s=1e-6,
+        dispatch_latency_s=5e-4,
+        dispatch_bandwidth=1e9,
+        combine_latency_s=5e-4,
+        combine_bandwidth=1e9,
+        notify_s=notify,
+        barrier_s=BARRIER_S,
+        collective_latency_s=1e-4,
+        collective_bandwidth=1e9,
+        cores=cores,
+        comm_uses_cores=run.device == "cpu",
+    )
+
+
+def fit_runs(
+    runs: Sequence[MeasuredRun],
+    *,
+    cores_grid: Sequence[float | None] = CORES_GRID,
+    notify_grid: Sequence[float] = NOTIFY_GRID,
+    idle_grid: Sequence[float] = IDLE_GRID,
+    progress: Callable[[int, int], None] | None = None,
+) -> Calibration:
+    """The calibration that best explains ``runs`` (module docstring)."""
+    if not runs:
+        raise SimError("no measured runs to calibrate from")
+    first = runs[0]
+    mixed = sorted({(r.preset, r.layers, r.dtype, r.device) for r in runs})
+    if len(mixed) > 1:
+        raise SimError(
+            f"the runs mix presets/layers/dtypes/devices {mixed}; calibrate each separately"
+        )
+    best: tuple[float, Calibration] | None = None
+    points = [(c, n, i) for c in cores_grid for n in notify_grid for i in idle_grid]
+    for index, (cores, notify, idle) in enumerate(points):
+        if cores is None and idle != idle_grid[0]:
+            continue  # idle polling only matters when the ranks share cores
+        cal = _start(first, cores, notify).replace(idle_load=idle)
+        for _ in range(ITERATIONS):
+            cal = _regress(_replay(runs, cal, AFD_MODES), cal)
+        value = score(runs, cal)
+        if best is None or value < best[0]:
+            best = (value, cal)
+        if progress is not None:
+            progress(index + 1, len(points))
+    assert best is not None
+    value, cal = best
+    return cal.replace(
+        fit={
+            "runs": len(runs),
+            "configurations": sorted({r.label for r in runs}),
+            "mean_abs_log_error_makespan_ttft_p50": value,
+            "grid": {
+                "cores": list(cores_grid),
+                "notify_s": list(notify_grid),
+                "idle_load": list(idle_grid),
+            },
+        }
+    )
+
+
+# anchors ----------------------------------------------------------------------------
+def _number(entry: dict[str, Any], key: str, where: str) -> float:
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise SimError(f"{where}: {key} must be a non-negative number")
+    return float(value)
+
+
+def _entries(anchors: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    entries = anchors.get(key)
+    if not isinstance(entries, list) or not entries:
+        raise SimError(f"anchors: {key!r} must be a non-empty list of measured points")
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("source"), str):
+            raise SimError(f"anchors: {key}[{i}] must be an object with a 'source' string")
+    return entries
+
+
+def _lstsq(rows: list[list[float]], values: list[float]) -> list[float]:
+    return nnls_relative(rows, values)
+
+
+def fit_anchors(anchors: dict[str, Any], command: str, date: str) -> Calibration:
+    """A calibration from published/measured per-layer figures (module docstring)."""
+    name = str(anchors.get("preset", ""))
+    try:
+        config = preset(name)
+    except Exception as exc:
+        raise SimError(f"anchors: preset {name!r}: {exc}") from None
+    dtype = str(anchors.get("dtype", "bfloat16"))
+    shapes = Shapes.of(config, dtype)
+    sources: dict[str, str] = {}
+    # attention: per layer ms for a batch of prompt lengths
+    rows, values = [], []
+    for i, e in enumerate(_entries(anchors, "attention")):
+        lengths = e.get("lengths")
+        if not isinstance(lengths, list) or not all(isinstance(n, int) for n in lengths):
+            raise SimError(f"anchors: attention[{i}].lengths must be a list of whole numbers")
+        rows.append([1.0, float(sum(lengths)), float(sum(n * n for n in lengths))])
+        values.append(_number(e, "ms", f"anchors: attention[{i}]") / 1e3)
+        sources[f"attention[{i}]"] = e["source"]
+    fixed = bool(anchors.get("attention_without_fixed", False))
+    if fixed:
+        a1, a2 = _lstsq([r[1:] for r in rows], values)
+        a0 = 0.0
+    else:
+        a0, a1, a2 = _lstsq(rows, values)
+    # FFN: one GPU holding every expert, shared experts included in the figure
+    rows, values = [], []
+    k, e_all, shared = shapes.topk, shapes.experts, shapes.shared_experts
+    for i, e in enumerate(_entries(anchors, "ffn")):
+        tokens = _number(e, "tokens", f"anchors: ffn[{i}]")
+        routed = tokens * k
+        touched = e_all * (1 - math.exp(-routed / e_all)) + shared
+        rows.append([touched, routed + tokens * shared])
+        values.append(_number(e, "ms", f"anchors: ffn[{i}]") / 1e3)
+        sources[f"ffn[{i}]"] = e["source"]
+    fe, fr = _lstsq(rows, values)
+    # dispatch + combine per layer, measured with given shapes and wire format
+    rows, values = [], []
+    notify = _number(anchors.get("notify", {}), "us", "anchors: notify") / 1e6
+    sources["notify"] = str(anchors.get("notify", {}).get("source", ""))
+    for i, e in enumerate(_entries(anchors, "dispatch_combine")):
+        shape_name = str(e.get("preset", name))
+        sh = Shapes.of(preset(shape_name), str(e.get("dtype", dtype)))
+        wire = Wire(
+            str(e.get("wire_format", "per_choice")), str(e.get("combine_reduce", "attention"))
+        )
+        probe = Calibration(
+            device="", preset=shape_name, dtype=dtype, attn_fixed_s=0, attn_token_s=0,
+            attn_square_s=0, ffn_item_s=0, ffn_expert_s=0, ffn_row_s=0,
+            dispatch_latency_s=0, dispatch_bandwidth=1, combine_latency_s=0,
+            combine_bandwidth=1, notify_s=0, barrier_s=0, collective_latency_s=0,
+            collective_bandwidth=1,
+        )  # fmt: skip
+        cm = CostModel(probe, sh, 1, int(e.get("ffn_ranks", 1)), wire)
+        tokens = _number(e, "tokens", f"anchors: dispatch_combine[{i}]")
+        rows.append([2.0, cm.dispatch_bytes(tokens) + cm.combine_bytes(tokens)])
+        values.append(_number(e, "ms", f"anchors: dispatch_combine[{i}]") / 1e3)
+        sources[f"dispatch_combine[{i}]"] = e["source"]
+    lat, inv_bw = _lstsq(rows, values)
+    # The identity-FFN round trip includes one arrival each way: the simulator adds those.
+    lat = max(0.0, lat - notify)
+    # colocated all_gather (model dtype) + reduce_scatter (fp32) per layer, 2 ranks
+    rows, values = [], []
+    for i, e in enumerate(_entries(anchors, "collective")):
+        tokens = _number(e, "tokens", f"anchors: collective[{i}]")
+        hidden = _number(e, "hidden", f"anchors: collective[{i}]")
+        world = _number(e, "world", f"anchors: collective[{i}]")
+        rows.append([2.0, (world - 1) * tokens * hidden * (shapes.dtype_bytes + 4)])
+        values.append(_number(e, "ms", f"anchors: collective[{i}]") / 1e3)
+        sources[f"collective[{i}]"] = e["source"]
+    c_lat, c_inv = _lstsq(rows, values)
+    internode = anchors.get("internode", {})
+    barrier = anchors.get("barrier", {})
+    for key in ("internode", "barrier", "gpus_per_node"):
+        if key in anchors and isinstance(anchors[key], dict):
+            sources[key] = str(anchors[key].get("source", ""))
+    return Calibration(
+        device=str(anchors.get("device", "gpu")),
+        preset=name,
+        dtype=dtype,
+        layers=None,
+        attn_fixed_s=a0,
+        attn_token_s=a1,
+        attn_square_s=a2,
+        ffn_item_s=0.0,
+        ffn_expert_s=fe,
+        ffn_row_s=fr,
+        shared_token_s=fr,
+        dispatch_latency_s=lat,
+        dispatch_bandwidth=1 / inv_bw if inv_bw > 0 else 1e15,
+        combine_latency_s=lat,
+        combine_bandwidth=1 / inv_bw if inv_bw > 0 else 1e15,
+        notify_s=notify,
+        barrier_s=_number(barrier, "us", "anchors: barrier") / 1e6 if barrier else 0.0,
+        collective_latency_s=c_lat,
+        collective_bandwidth=1 / c_inv if c_inv > 0 else 1e15,
+        internode_bandwidth=(
+            _number(internode, "gbps", "anchors: internode") * 1e9 if internode else None
+        ),
+        gpus_per_node=int(anchors["gpus_per_node"]["value"])
+        if isinstance(anchors.get("gpus_per_node"), dict)
+        else None,
+        cores=None,
+        comm_uses_cores=False,
+        command=command,
+        date=date,
+        notes=str(anchors.get("notes", "")),
+        sources=sources,
+    )

@@ -1,0 +1,210 @@
+"""``afd sim sweep``: A:F ratios and GPU counts for one model and workload.
+
+For each GPU count ``G`` and each A:F split of it (the ratios asked for, or every split),
+the async and sync AFD deployments are simulated on the same requests, and colocated
+DP+EP once on all ``G`` ranks. Per GPU count the report names the best split for each
+AFD mode (highest tokens/s) and the ratios of async to sync and to colocated at their
+best.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from afd_models import DeepseekConfig
+from afd_tools.run.workload import Request, assign
+from afd_tools.sim.costs import Calibration, SimError, Wire
+from afd_tools.sim.simulate import deployment, headline, simulate_mode
+
+
+@dataclass(frozen=True)
+class Point:
+    """One simulated configuration."""
+
+    gpus: int
+    attention_ranks: int
+    ffn_ranks: int
+    mode: str
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    makespan_s: float
+
+    @property
+    def split(self) -> str:
+        return f"{self.attention_ranks}:{self.ffn_ranks}"
+
+
+def parse_ratios(text: str) -> list[Fraction]:
+    """``"1:3,1:1,3:1"`` -> A/F fractions; :class:`SimError` on a bad entry."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            a, f = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise SimError(f"--ratios: {part!r} is not A:F (two whole numbers)") from None
+        if a < 1 or f < 1:
+            raise SimError(f"--ratios: {part!r} needs A >= 1 and F >= 1")
+        out.append(Fraction(a, f))
+    return out
+
+
+def splits(gpus: int, ratios: Sequence[Fraction] | None) -> list[tuple[int, int]]:
+    """The (A, F) with A + F = ``gpus`` whose A/F is one of ``ratios`` (every split when
+    ``ratios`` is None)."""
+    out = []
+    for a in range(1, gpus):
+        f = gpus - a
+        if ratios is None or Fraction(a, f) in ratios:
+            out.append((a, f))
+    return out
+
+
+def sweep(
+    config: DeepseekConfig,
+    calibration: Calibration,
+    lengths: Sequence[int],
+    arrivals: Sequence[float],
+    *,
+    gpus: Sequence[int],
+    ratios: Sequence[Fraction] | None,
+    budget: int,
+    stages: int,
+    wire: Wire,
+    modes: Sequence[str],
+    policy: str = "round-robin",
+    ffn_batch: int = 1,
+    progress: Callable[[], None] | None = None,
+) -> list[Point]:
+    """Every configuration's simulated figures."""
+    jobs: list[tuple[int, int, int, str]] = []
+    for g in gpus:
+        if g < 2:
+            raise SimError(f"--gpus: {g} is too few (AFD needs an attention and an FFN GPU)")
+        chosen = splits(g, ratios)
+        if not chosen and any(m != "colocated" for m in modes):
+            raise SimError(f"--gpus {g}: none of the --ratios splits {g} GPUs evenly")
+        for a, f in chosen:
+            jobs += [(g, a, f, m) for m in modes if m != "colocated"]
+        if "colocated" in modes:
+            jobs.append((g, max(1, g // 2), g - max(1, g // 2), "colocated"))
+    points = []
+    for g, a, f, mode in jobs:
+        dep = deployment(
+            config,
+            calibration,
+            attention_ranks=a,
+            ffn_ranks=f,
+            budget=budget,
+            stages=stages,
+            colocated="dp-ep",
+            ffn_batch=ffn_batch,
+            wire=wire,
+        )
+        requests: list[Request] = assign(lengths, arrivals, a, policy)
+        s = headline(simulate_mode(dep, mode, requests, policy))
+        points.append(Point(g, a, f, mode, s.tokens_per_s, s.ttft_p50, s.ttft_p99, s.makespan_s))
+        if progress is not None:
+            progress()
+    return points
+
+
+def count_jobs(gpus: Sequence[int], ratios: Sequence[Fraction] | None, modes: Sequence[str]) -> int:
+    afd = sum(m != "colocated" for m in modes)
+    return sum(len(splits(g, ratios)) * afd + ("colocated" in modes) for g in gpus)
+
+
+def best(points: Sequence[Point]) -> list[dict[str, Any]]:
+    """Per GPU count: the best split per mode and the async ratios."""
+    rows = []
+    for g in sorted({p.gpus for p in points}):
+        here = [p for p in points if p.gpus == g]
+        row: dict[str, Any] = {"gpus": g}
+        for mode in ("async", "sync", "colocated"):
+            of_mode = [p for p in here if p.mode == mode]
+            if of_mode:
+                top = max(of_mode, key=lambda p: p.tokens_per_s)
+                row[mode] = asdict(top) | {"split": top.split}
+        if "async" in row and "sync" in row:
+            row["async/sync"] = row["async"]["tokens_per_s"] / row["sync"]["tokens_per_s"]
+        if "async" in row and "colocated" in row:
+            row["async/colocated"] = row["async"]["tokens_per_s"] / row["colocated"]["tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The best-per-mode table (Markdown, also printed)."""
+    lines = [
+        "| GPUs | best async A:F | async tokens/s | async TTFT p50 s | best sync A:F | sync "
+        "tokens/s | colocated tokens/s | async/sync | async/colocated |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+
+        def cell(mode: str, key: str, fmt: str, row: dict[str, Any] = r) -> str:
+            return format(row[mode][key], fmt) if mode in row else "-"
+
+        lines.append(
+            f"| {r['gpus']} | {r['async']['split'] if 'async' in r else '-'} | "
+            f"{cell('async', 'tokens_per_s', ',.0f')} | {cell('async', 'ttft_p50', '.2f')} | "
+            f"{r['sync']['split'] if 'sync' in r else '-'} | "
+            f"{cell('sync', 'tokens_per_s', ',.0f')} | "
+            f"{cell('colocated', 'tokens_per_s', ',.0f')} | "
+            f"{format(r['async/sync'], '.2f') + 'x' if 'async/sync' in r else '-'} | "
+            f"{format(r['async/colocated'], '.2f') + 'x' if 'async/colocated' in r else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(path: Path, points: Sequence[Point], title: str) -> None:
+    """Left: tokens/s per GPU of the best split per mode against GPU count; right: every
+    split's async and sync tokens/s against its attention share A/(A+F)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {"async": "tab:blue", "sync": "tab:orange", "colocated": "tab:green"}
+    for mode, color in colors.items():
+        xs, ys = [], []
+        for g in sorted({p.gpus for p in points}):
+            of = [p for p in points if p.gpus == g and p.mode == mode]
+            if of:
+                xs.append(g)
+                ys.append(max(p.tokens_per_s for p in of) / g)
+        if xs:
+            left.plot(xs, ys, "o-", color=color, label=f"{mode} (best split)")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("GPUs")
+    left.set_ylabel("tokens/s per GPU")
+    left.legend()
+    left.set_title("best A:F per mode")
+    for g in sorted({p.gpus for p in points}):
+        for mode in ("async", "sync"):
+            of = sorted(
+                (p for p in points if p.gpus == g and p.mode == mode),
+                key=lambda p: p.attention_ranks,
+            )
+            if of:
+                right.plot(
+                    [p.attention_ranks / g for p in of],
+                    [p.tokens_per_s / g for p in of],
+                    "-" if mode == "async" else "--",
+                    marker=".",
+                    label=f"{mode}, {g} GPUs",
+                )
+    right.set_xlabel("attention share A / (A + F)")
+    right.set_ylabel("tokens/s per GPU")
+    right.legend(fontsize=7, ncol=2)
+    right.set_title("every split (solid async, dashed sync)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,133 @@
+"""``afd sim validate``: how well the simulator predicts runs it was not calibrated on.
+
+Leave one A:F pair out: for each (attention ranks, FFN ranks) pair among the measured
+runs, the calibration is fitted (:func:`~afd_tools.sim.calibrate.fit_runs`) on every
+*other* pair's runs, and the held-out pair's configurations are simulated and compared
+with the median of their repeats, mode by mode, on makespan and TTFT p50. Nothing of a
+held-out measurement enters its own fit, so the errors are out-of-sample.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from afd_tools.sim.calibrate import fit_runs
+from afd_tools.sim.costs import SimError
+from afd_tools.sim.measured import MeasuredRun
+from afd_tools.sim.simulate import deployment, simulate_mode, summary
+
+FIGURES = ("makespan_s", "ttft_p50")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One held-out (configuration, mode): every repeat's measurement and the prediction."""
+
+    label: str
+    mode: str
+    measured: dict[str, list[float]]
+    predicted: dict[str, float]
+
+    def median(self, figure: str) -> float:
+        return statistics.median(self.measured[figure])
+
+    def error(self, figure: str) -> float:
+        """Relative error of the prediction against the measured median."""
+        return self.predicted[figure] / self.median(figure) - 1
+
+
+def predict_held_out(
+    calibration_runs: Sequence[MeasuredRun], held_out: Sequence[MeasuredRun], **fit: Any
+) -> list[Prediction]:
+    """Fit on ``calibration_runs`` (``fit`` goes to :func:`fit_runs`) and predict every
+    configuration and mode of ``held_out`` (runs with the same label are repeats)."""
+    if not held_out:
+        raise SimError("no held-out runs to predict")
+    cal = fit_runs(calibration_runs, **fit)
+    groups: dict[str, list[MeasuredRun]] = {}
+    for run in held_out:
+        groups.setdefault(run.label, []).append(run)
+    out = []
+    for label, repeats in sorted(groups.items()):
+        first = repeats[0]
+        dep = deployment(
+            first.config,
+            cal,
+            attention_ranks=first.attention_ranks,
+            ffn_ranks=first.ffn_ranks,
+            budget=first.budget,
+            stages=first.stages,
+            colocated=first.colocated,
+            wire=first.wire,
+            dtype=first.dtype,
+        )
+        modes = sorted({mode for run in repeats for mode in run.modes})
+        for mode in modes:
+            result = summary(simulate_mode(dep, mode, first.requests, first.assign))
+            predicted = {"makespan_s": result.makespan_s, "ttft_p50": result.ttft_p50}
+            measured = {
+                figure: [float(run.modes[mode][figure]) for run in repeats if mode in run.modes]
+                for figure in FIGURES
+            }
+            out.append(Prediction(label, mode, measured, predicted))
+    return out
+
+
+def leave_one_pair_out(
+    runs: Sequence[MeasuredRun],
+    progress: Callable[[int, int], None] | None = None,
+    **fit: Any,
+) -> list[Prediction]:
+    """Every A:F pair predicted from a fit on the others (module docstring)."""
+    pairs = sorted({(r.attention_ranks, r.ffn_ranks) for r in runs})
+    if len(pairs) < 2:
+        raise SimError(
+            f"leave-one-pair-out needs runs of at least two A:F pairs; these have {pairs}"
+        )
+    out: list[Prediction] = []
+    for index, pair in enumerate(pairs):
+        train = [r for r in runs if (r.attention_ranks, r.ffn_ranks) != pair]
+        held = [r for r in runs if (r.attention_ranks, r.ffn_ranks) == pair]
+        out.extend(predict_held_out(train, held, **fit))
+        if progress is not None:
+            progress(index + 1, len(pairs))
+    return out
+
+
+def table(predictions: Sequence[Prediction]) -> str:
+    """The markdown table of ``docs/sim.md``: medians, min-max spread, prediction, error."""
+    lines = [
+        "| config | mode | reps | makespan s: measured median (min–max) | predicted | error "
+        "| TTFT p50 s: measured median (min–max) | predicted | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in predictions:
+        cells = [p.label, p.mode, str(len(p.measured["makespan_s"]))]
+        for figure in FIGURES:
+            values = p.measured[figure]
+            cells += [
+                f"{p.median(figure):.3f} ({min(values):.3f}–{max(values):.3f})",
+                f"{p.predicted[figure]:.3f}",
+                f"{p.error(figure):+.0%}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(predictions: Sequence[Prediction], tolerance: float) -> str:
+    """How many rows are within ``tolerance``, the mean absolute and the worst errors."""
+    n = len(predictions)
+    parts = []
+    for figure in FIGURES:
+        errors = [abs(p.error(figure)) for p in predictions]
+        within = sum(e <= tolerance for e in errors)
+        parts.append(
+            f"{figure}: {within} of {n} within {tolerance:.0%}, mean |error| "
+            f"{statistics.mean(errors):.1%}, worst {max(errors):.1%}"
+        )
+    both = sum(all(abs(p.error(f)) <= tolerance for f in FIGURES) for p in predictions)
+    parts.append(f"both within {tolerance:.0%}: {both} of {n}")
+    return "; ".join(parts)
