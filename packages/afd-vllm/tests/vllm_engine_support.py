@@ -1,0 +1,133 @@
+"""What the real-vLLM tests share: a tiny DeepSeek-V2 checkpoint with a word-level
+tokenizer, the loopback environment, the reference run (plain vLLM, no afd) as a
+subprocess, and a small OpenAI-API client. Runs inside the vLLM venv only
+(``make vllm-engine``).
+
+    python vllm_engine_support.py reference MODEL_DIR PROMPTS_JSON OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+MAX_TOKENS = 8
+MAX_MODEL_LEN = 512
+BATCHED_TOKENS = 2048
+"""The engines' effective ``max_num_batched_tokens`` (given explicitly; the FFN's must match)."""
+
+
+def loopback_env(scratch: Path) -> dict[str, str]:
+    """Everything on loopback, vLLM's caches inside the test's scratch directory, and only
+    afd's plugin loaded."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_HOST_IP="127.0.0.1",
+        GLOO_SOCKET_IFNAME="lo",
+        NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_PLUGINS="afd",
+        VLLM_CACHE_ROOT=str(scratch / "vllm-cache"),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    return env
+
+
+def make_model(directory: Path, preset_name: str = "tiny") -> Path:
+    """``afd-vllm tiny-model``'s checkpoint: DeepSeek-V2 routing (``tiny``) or DeepSeek-V3
+    routing (``v3-mini``), with a word-level tokenizer ``t0 .. t511``."""
+    from afd_vllm.tiny_model import write_tiny_model
+
+    return write_tiny_model(directory, preset_name)
+
+
+def prompt_text(seed: int, length: int) -> str:
+    """A deterministic prompt of ``length`` word tokens (ids 3..511)."""
+    return " ".join(f"t{3 + (seed * 131 + 17 * i) % 509}" for i in range(length))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def reference(model: str, prompts: list[str], out: str) -> None:
+    """Greedy tokens and their logprobs from plain vLLM (fp32, compiled, no afd)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        attention_backend="CPU_MLA",
+        seed=0,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    result = []
+    for output in llm.generate(prompts, params):
+        completion = output.outputs[0]
+        logprobs = completion.logprobs or []
+        result.append(
+            {
+                "token_ids": list(completion.token_ids),
+                "logprobs": [
+                    lp[t].logprob for t, lp in zip(completion.token_ids, logprobs, strict=True)
+                ],
+            }
+        )
+    Path(out).write_text(json.dumps(result))
+
+
+def complete(port: int, prompt: str, replica: int | None, timeout: float = 120.0) -> dict[str, Any]:
+    """One greedy completion from the OpenAI API (token ids and logprobs), optionally pinned
+    to a data-parallel replica with vLLM's ``X-data-parallel-rank`` header."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+    }
+    headers = {"Content-Type": "application/json"}
+    if replica is not None:
+        headers["X-data-parallel-rank"] = str(replica)
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers=headers,
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        choice = json.loads(response.read())["choices"][0]
+    tokens = choice["logprobs"]["tokens"]
+    return {
+        "token_ids": [int(t.split(":", 1)[1]) for t in tokens],
+        "logprobs": choice["logprobs"]["token_logprobs"],
+    }
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "reference":
+        reference(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()), sys.argv[4])
+    else:
+        raise SystemExit(f"unknown command {sys.argv[1]!r}")
