@@ -104,7 +104,7 @@ def check(package_dir: Path, log: Path) -> tuple[str, str]:
             "-p",
             "no:cacheprovider",
             "-m",
-            "not slow",
+            "not slow and not timing",
             "-c",
             str(REPO / "pyproject.toml"),
             "--rootdir",

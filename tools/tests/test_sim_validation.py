@@ -1,8 +1,13 @@
 """``afd sim`` against real ``afd run`` measurements on this CPU (issue #16's validation,
-at CI size).
+at a small size). Run by ``make sim-validate``, not by ``make test``: its verdict depends
+on how busy the machine is, which makes it a benchmark: on 2026-12-01, 4 of 9 runs of
+this test's versions on the 2-core VM had one figure beyond its tolerance (one while other
+work ran); in this version the held-out colocated makespan comes out 12-19 % high (the
+model charges idle FFN processes in colocated dp the polling load it fitted in the AFD
+modes).
 
-Two ``afd run`` configurations are measured, one launch per mode as in the full
-campaign (with ``--mode all`` the later modes run on warm caches, which the model does not
+Two ``afd run`` configurations are measured, ``TRAIN_REPEATS`` launches per mode as in the
+full campaign (with ``--mode all`` the later modes run on warm caches, which the model does not
 describe), and the simulator is calibrated on them; a third configuration -- an A:F pair
 the calibration never saw -- is measured ``REPEATS`` times per
 mode, and the simulator must predict its median makespan and TTFT p50 in every mode
@@ -43,11 +48,17 @@ TRAIN_REPEATS = 2
 """Launches per mode of each training configuration: the fit reads every repeat, so one
 slow launch does not shift the coefficients (with one launch, a held-out colocated
 makespan once came out 15.3 % high while its own three launches agreed within 6 %)."""
+CORES_GRID = (1.8,)
+NOTIFY_GRID = (5e-4,)
+"""The fit's two grid parameters, fixed at what the full campaign's fit chose on this
+machine class (docs/sim.md: cores 1.6-1.8, notify 0.5 ms): from two training
+configurations, a grid search flipped between grid points from run to run and swung the
+held-out prediction by up to 20 %; the coefficients are still fitted here."""
 HELD_OUT = (1, 2, "uneven")
 """An A:F pair no training run had (as in docs/sim.md's leave-one-pair-out table, the
 training covers both workloads)."""
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
 def _measure(folder: Path, a: int, f: int, workload: str, mode: str, rep: int) -> Path:
@@ -82,20 +93,23 @@ def _measure(folder: Path, a: int, f: int, workload: str, mode: str, rep: int) -
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("sim-validation")
-    train = [
-        _measure(folder, a, f, w, m, rep)
-        for a, f, w in TRAIN
-        for m in MODES
-        for rep in range(TRAIN_REPEATS)
-    ]
-    held = [_measure(folder, *HELD_OUT, m, rep) for m in MODES for rep in range(REPEATS)]
+    train: list[Path] = []
+    held: list[Path] = []
+    # Interleaved, round by round, so that a change of the machine's load during the test
+    # falls on training and held-out launches alike instead of on one side of the fit.
+    for rep in range(max(REPEATS, TRAIN_REPEATS)):
+        for mode in MODES:
+            if rep < TRAIN_REPEATS:
+                train += [_measure(folder, a, f, w, mode, rep) for a, f, w in TRAIN]
+            if rep < REPEATS:
+                held.append(_measure(folder, *HELD_OUT, mode, rep))
     return {"train": read_runs(train), "held": read_runs(held)}
 
 
 @pytest.mark.timeout(400)
 def test_held_out_configuration_is_predicted_within_tolerance(measured: dict[str, Any]) -> None:
     predictions = predict_held_out(
-        measured["train"], measured["held"], cores_grid=(1.4, 1.8), notify_grid=(2e-4, 5e-4)
+        measured["train"], measured["held"], cores_grid=CORES_GRID, notify_grid=NOTIFY_GRID
     )
     assert sorted(p.mode for p in predictions) == sorted(MODES)
     text = table(predictions)

@@ -11,7 +11,7 @@ export VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo NVSHMEM_BOOTSTRAP_UID_SOCK_I
 export VLLM_PLUGINS=afd VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 
 afd-vllm tiny-model "$WORK/model"
-# A fresh rendezvous directory per deployment: the FFN and attention ranks meet there.
+# The FFN and attention ranks meet in the rendezvous directory (one per running deployment).
 AFD="\"connector\": \"HostAsyncAFDConnector\", \"num_attention_ranks\": 2,
      \"connector_extra_config\": {\"rendezvous_dir\": \"$WORK/rendezvous\"}"
 

@@ -4,6 +4,9 @@ connector carrying real work between processes through the custom operators, com
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +75,26 @@ def test_combine_without_a_bound_endpoint_or_twice_is_refused() -> None:
         torch.ops.afd.moe_dispatch(x, ids, torch.ones(2, 1), 0, 0)
     with pytest.raises(Exception, match="ticket 12345 names no dispatch in flight"):
         torch.ops.afd.moe_combine(torch.tensor(12345), x)
+
+
+def _record(pid: int, start_time: int | None) -> bytes:
+    return json.dumps({"who": "x", "pid": pid, "start_time": start_time}).encode()
+
+
+def test_a_rendezvous_left_by_a_finished_deployment_is_cleared(tmp_path: Path) -> None:
+    from afd_protocol import DirectoryStore, process_start_time
+    from afd_vllm.connectors.host import clear_stale_rendezvous
+
+    dead = subprocess.Popen(["true"])  # a pid that has exited
+    dead.wait()
+    store = DirectoryStore(tmp_path)
+    store.set("afd/rank/0", _record(dead.pid, 1))
+    store.set("afd/segment/0", b"/dev/shm/afd-gone")
+    assert clear_stale_rendezvous(tmp_path) is True
+    assert set(store.items()) == {f"afd-vllm/claim/{os.getpid()}"}
+
+    # A live record (this process) keeps everything, and so does this process's own claim.
+    store.set("afd/rank/1", _record(os.getpid(), process_start_time(os.getpid())))
+    assert clear_stale_rendezvous(tmp_path) is False
+    assert "afd/rank/1" in store.items()
+    assert clear_stale_rendezvous(tmp_path / "fresh") is False

@@ -151,3 +151,29 @@ def test_both_of_vllms_workers_map_to_afds(model: Path) -> None:
     config.parallel_config.worker_cls = "my.Worker"
     with pytest.raises(AFDConfigError, match="leave --worker-cls unset"):
         vllm_compat._swap_worker(config)
+
+
+def test_remote_moe_is_built_and_called_like_vllms_moe() -> None:
+    """vLLM's decoder layer builds and calls ``DeepseekV2MoE`` by name; the rebinding only
+    works while afd's block takes the same arguments (checked per vLLM version)."""
+    import inspect
+
+    from vllm.model_executor.models import deepseek_v2
+
+    from afd_vllm.model import AFDRemoteMoE
+
+    for method in ("__init__", "forward"):
+        theirs = inspect.signature(getattr(deepseek_v2.DeepseekV2MoE, method)).parameters
+        ours = inspect.signature(getattr(AFDRemoteMoE, method)).parameters
+        assert list(ours) == list(theirs), method
+
+
+def test_the_worker_classes_build_on_this_vllm() -> None:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from afd_vllm.worker import AFDCPUWorker, AFDGPUWorker
+
+    assert issubclass(AFDCPUWorker, CPUWorker)
+    assert issubclass(AFDGPUWorker, Worker)
+    assert AFDCPUWorker.load_model is not CPUWorker.load_model

@@ -90,6 +90,8 @@ from afd_protocol.core.rendezvous import (
     PeerRecord,
     Rendezvous,
     TcpStore,
+    process_alive,
+    process_start_time,
 )
 from afd_protocol.core.serving import Compute, ItemRecord, ServeStats, serve
 from afd_protocol.core.tensors import constant_index, relative_error, torch_dtype
@@ -182,6 +184,8 @@ __all__ = [
     "next_seq",
     "plan_dispatch",
     "plan_on_device",
+    "process_alive",
+    "process_start_time",
     "reference_reduce_partials",
     "relative_error",
     "serve",
