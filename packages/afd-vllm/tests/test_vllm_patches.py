@@ -86,8 +86,9 @@ def test_user_hf_overrides_are_kept(model: Path) -> None:
         ({"hf_overrides": lambda c: c}, "pass hf_overrides as a JSON object"),
         ({"additional_config": _afd(role="ffn")}, "start the FFN role with `afd-vllm ffn"),
         ({"additional_config": _afd(attn_ranks_per_dp=2)}, "tensor_parallel_size must be 1"),
+        ({"additional_config": _afd(async_moe_ubatching=True)}, "async_moe_ubatching"),
     ],
-    ids=["eager", "rank-count", "float16", "hf-overrides-callable", "ffn-role", "tp"],
+    ids=["eager", "rank-count", "float16", "hf-overrides-callable", "ffn-role", "tp", "ubatch"],
 )
 def test_unsupported_settings_are_refused_with_what_to_change(
     model: Path, kwargs: dict[str, Any], message: str

@@ -93,6 +93,8 @@ def refuse_unsupported(vllm_config: Any, afd: AFDConfig) -> None:
             parallel, "enable_dbo", False
         ),
         "speculative decoding": vllm_config.speculative_config is not None,
+        "connector_extra_config.async_moe_ubatching (token-level stages run in `afd run "
+        "--stages N`, not yet inside vLLM)": afd.extra.async_moe_ubatching,
     }
     for problem, present in problems.items():
         if present:
