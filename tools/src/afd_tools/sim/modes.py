@@ -219,8 +219,14 @@ class Simulation:
         if mode == "colocated" and setup.colocated == "dp-ep":
             world = setup.attention_ranks + setup.ffn_ranks
         self.world = world
-        # afd run launches the FFN processes in colocated dp too (they idle).
+        # afd run launches the FFN processes in colocated dp too, but they receive nothing
+        # all run long: their polls back off to the longest sleep (0.5 ms) and take next to
+        # no processor, unlike FFN ranks waiting a few ms between items in the AFD modes
+        # (what the fitted idle_load describes). Counting them charged colocated dp a
+        # contention that the measurements do not show (docs/sim.md).
         processes = setup.attention_ranks + setup.ffn_ranks
+        if mode == "colocated" and setup.colocated == "dp":
+            processes = setup.attention_ranks
         self.engine = Engine(cal.cores, cal.idle_load, processes)
         self.records = [ReplicaRecord() for _ in range(world)]
         self.ffn = FFNFeatures()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The CPU measurement campaign behind docs/sim.md's validation table and the shipped
+# cpu-tiny calibration: six A:F pairs x two workloads x three modes, each mode its own
+# launch (with --mode all the later modes would run on warm caches), REPS repeats, into
+# DIR. Run it on an otherwise idle machine; about 8 s per launch on 2 cores.
+#
+#   bash tools/dev/sim_campaign.sh DIR [REPS]
+#   afd sim validate DIR/*.json --json DIR/validation.json
+#   afd sim calibrate DIR/*.json -o cpu-tiny.json
+set -euo pipefail
+DIR=${1:?usage: sim_campaign.sh DIR [REPS]}
+REPS=${2:-3}
+AFD=${AFD:-afd}
+mkdir -p "$DIR"
+total=$((REPS * 2 * 6 * 3)); n=0
+for rep in $(seq "$REPS"); do for wl in uneven bimodal; do
+  for af in "1 1" "2 1" "1 2" "2 2" "3 1" "1 3"; do set -- $af
+    for mode in async sync colocated; do
+      n=$((n + 1))
+      out="$DIR/a$1f$2-$wl-$mode-r$rep.json"
+      echo "[$n/$total] $out"
+      # Exit 1 means a verification miss; the report (timings) is written before the check.
+      $AFD run --device cpu --attention-ranks "$1" --ffn-ranks "$2" --workload "$wl" \
+        --requests 48 --max-prompt-len 512 --max-num-batched-tokens 512 --mode "$mode" \
+        --no-progress --json "$out" > "$out.log" 2>&1 || test -s "$out"
+done; done; done; done
