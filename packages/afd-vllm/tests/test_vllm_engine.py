@@ -35,6 +35,8 @@ pytest.importorskip("vllm")
 
 import vllm_engine_support as support
 
+from afd_vllm.tiny_model import write_tiny_model
+
 pytestmark = pytest.mark.timeout(1200)
 
 PROMPT_LENGTHS = (3, 200, 17, 96, 41, 150)
@@ -83,7 +85,7 @@ class Deployment:
 
 
 def _start(preset: str, scratch: Path) -> Deployment:
-    model = support.make_model(scratch / "model", preset)
+    model = write_tiny_model(scratch / "model", preset)
     prompts = [support.prompt_text(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
     env = support.loopback_env(scratch)
     (scratch / "prompts.json").write_text(json.dumps(prompts))
@@ -104,8 +106,11 @@ def _start(preset: str, scratch: Path) -> Deployment:
     )
     reference = json.loads((scratch / "reference.json").read_text())
     extra = {"rendezvous_dir": str(scratch / "rendezvous"), "connect_timeout_s": 600}
-    afd = {"connector": "HostAsyncAFDConnector", "num_attention_ranks": 2}
-    afd["connector_extra_config"] = extra  # type: ignore[assignment]
+    afd = {
+        "connector": "HostAsyncAFDConnector",
+        "num_attention_ranks": 2,
+        "connector_extra_config": extra,
+    }
     batched = str(support.BATCHED_TOKENS)
     ffn_log, server_log = scratch / "ffn.log", scratch / "server.log"
     ffn = subprocess.Popen(

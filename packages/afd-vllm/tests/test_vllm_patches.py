@@ -18,6 +18,7 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 import afd_vllm  # noqa: E402
 from afd_vllm.extra import AFDConfigError  # noqa: E402
 from afd_vllm.ops import SPLITTING_OPS  # noqa: E402
+from afd_vllm.tiny_model import write_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     afd_vllm.register_afd()
-    return support.make_model(tmp_path_factory.mktemp("model"))
+    return write_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 def _afd(role: str = "attention", ranks: int = 2, **extra: Any) -> dict[str, Any]:

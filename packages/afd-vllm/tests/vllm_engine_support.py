@@ -1,6 +1,6 @@
-"""What the real-vLLM tests share: a tiny DeepSeek-V2 checkpoint with a word-level
-tokenizer, the loopback environment, the reference run (plain vLLM, no afd) as a
-subprocess, and a small OpenAI-API client. Runs inside the vLLM venv only
+"""What the real-vLLM tests share: the loopback environment, the reference run (plain
+vLLM, no afd) as a subprocess, and a small OpenAI-API client (their checkpoints come from
+:func:`afd_vllm.tiny_model.write_tiny_model`). Runs inside the vLLM venv only
 (``make vllm-engine``).
 
     python vllm_engine_support.py reference MODEL_DIR PROMPTS_JSON OUT_JSON
@@ -39,14 +39,6 @@ def loopback_env(scratch: Path) -> dict[str, str]:
         DO_NOT_TRACK="1",
     )
     return env
-
-
-def make_model(directory: Path, preset_name: str = "tiny") -> Path:
-    """``afd-vllm tiny-model``'s checkpoint: DeepSeek-V2 routing (``tiny``) or DeepSeek-V3
-    routing (``v3-mini``), with a word-level tokenizer ``t0 .. t511``."""
-    from afd_vllm.tiny_model import write_tiny_model
-
-    return write_tiny_model(directory, preset_name)
 
 
 def prompt_text(seed: int, length: int) -> str:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from afd_vllm import check_vllm_version
+from afd_vllm.attention_session import DTYPE_NAMES
 from afd_vllm.config import AFDConfig, parse_afd_config
 from afd_vllm.extra import AFDConfigError
 from afd_vllm.ops import SPLITTING_OPS
@@ -107,7 +108,7 @@ def refuse_unsupported(vllm_config: Any, afd: AFDConfig) -> None:
             f"them equal"
         )
     dtype = str(vllm_config.model_config.dtype)
-    if dtype not in ("torch.float32", "torch.bfloat16"):
+    if dtype not in DTYPE_NAMES:
         raise AFDConfigError(
             f"afd-vllm's attention role runs in float32 or bfloat16, not {dtype}; pass "
             f"--dtype bfloat16 or --dtype float32"

@@ -34,7 +34,7 @@ import numpy as np
 from afd_models import preset
 from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
 from afd_tools.sim.measured import MeasuredRun
-from afd_tools.sim.modes import ModeRun
+from afd_tools.sim.modes import MODES, ModeRun
 from afd_tools.sim.simulate import deployment, simulate_mode, summary
 
 CORES_GRID = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
@@ -73,7 +73,7 @@ def nnls_relative(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 
 @dataclass
-class _Replay:
+class Replay:
     """One distinct configuration and mode, simulated once, with the measurements of
     every repeat of it."""
 
@@ -97,7 +97,9 @@ def _key(run: MeasuredRun) -> tuple[Any, ...]:
     )
 
 
-def _replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str]) -> list[_Replay]:
+def replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str]) -> list[Replay]:
+    """Each distinct configuration of ``runs`` simulated once per mode in ``modes`` that was
+    measured, beside every repeat's measurement (the fit's and ``afd sim validate``'s view)."""
     groups: dict[tuple[Any, ...], tuple[MeasuredRun, dict[str, list[dict[str, Any]]]]] = {}
     for run in runs:
         _, by_mode = groups.setdefault(_key(run), (run, {}))
@@ -109,7 +111,7 @@ def _replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str])
         for mode in modes:
             if mode in by_mode:
                 sim = simulate_mode(dep, mode, first.requests, first.assign)
-                out.append(_Replay(first, mode, by_mode[mode], sim))
+                out.append(Replay(first, mode, by_mode[mode], sim))
     return out
 
 
@@ -127,7 +129,7 @@ def _deployment(run: MeasuredRun, cal: Calibration) -> Any:
     )
 
 
-def _regress(replays: list[_Replay], cal: Calibration) -> Calibration:
+def _regress(replays: list[Replay], cal: Calibration) -> Calibration:
     """One least-squares pass: coefficients from the measured breakdowns, given the
     simulated inputs and slow-downs of ``replays``."""
     attn_rows, attn_t = [], []
@@ -185,7 +187,7 @@ def score(runs: Sequence[MeasuredRun], cal: Calibration) -> float:
     of the repeats, over every mode of every configuration (what the grid search
     minimises)."""
     errors = []
-    for rp in _replay(runs, cal, ("async", "sync", "colocated")):
+    for rp in replay(runs, cal, MODES):
         s = summary(rp.sim)
         for key, value in (("makespan_s", s.makespan_s), ("ttft_p50", s.ttft_p50)):
             median = statistics.median(m[key] for m in rp.measured)
@@ -244,7 +246,7 @@ def fit_runs(
             continue  # idle polling only matters when the ranks share cores
         cal = _start(first, cores, notify).replace(idle_load=idle)
         for _ in range(ITERATIONS):
-            cal = _regress(_replay(runs, cal, AFD_MODES), cal)
+            cal = _regress(replay(runs, cal, AFD_MODES), cal)
         value = score(runs, cal)
         if best is None or value < best[0]:
             best = (value, cal)

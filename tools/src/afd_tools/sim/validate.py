@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from afd_tools.sim.calibrate import fit_runs
+from afd_tools.sim.calibrate import fit_runs, replay
 from afd_tools.sim.costs import SimError
 from afd_tools.sim.measured import MeasuredRun
-from afd_tools.sim.simulate import deployment, simulate_mode, summary
+from afd_tools.sim.modes import MODES
+from afd_tools.sim.simulate import summary
 
 FIGURES = ("makespan_s", "ttft_p50")
 
@@ -43,36 +44,15 @@ def predict_held_out(
     calibration_runs: Sequence[MeasuredRun], held_out: Sequence[MeasuredRun], **fit: Any
 ) -> list[Prediction]:
     """Fit on ``calibration_runs`` (``fit`` goes to :func:`fit_runs`) and predict every
-    configuration and mode of ``held_out`` (runs with the same label are repeats)."""
+    configuration and mode of ``held_out`` (runs of one configuration are repeats)."""
     if not held_out:
         raise SimError("no held-out runs to predict")
-    cal = fit_runs(calibration_runs, **fit)
-    groups: dict[str, list[MeasuredRun]] = {}
-    for run in held_out:
-        groups.setdefault(run.label, []).append(run)
     out = []
-    for label, repeats in sorted(groups.items()):
-        first = repeats[0]
-        dep = deployment(
-            first.config,
-            cal,
-            attention_ranks=first.attention_ranks,
-            ffn_ranks=first.ffn_ranks,
-            budget=first.budget,
-            stages=first.stages,
-            colocated=first.colocated,
-            wire=first.wire,
-            dtype=first.dtype,
-        )
-        modes = sorted({mode for run in repeats for mode in run.modes})
-        for mode in modes:
-            result = summary(simulate_mode(dep, mode, first.requests, first.assign))
-            predicted = {"makespan_s": result.makespan_s, "ttft_p50": result.ttft_p50}
-            measured = {
-                figure: [float(run.modes[mode][figure]) for run in repeats if mode in run.modes]
-                for figure in FIGURES
-            }
-            out.append(Prediction(label, mode, measured, predicted))
+    for rp in replay(held_out, fit_runs(calibration_runs, **fit), MODES):
+        result = summary(rp.sim)
+        predicted = {"makespan_s": result.makespan_s, "ttft_p50": result.ttft_p50}
+        measured = {f: [float(m[f]) for m in rp.measured] for f in FIGURES}
+        out.append(Prediction(rp.run.label, rp.mode, measured, predicted))
     return out
 
 
