@@ -90,6 +90,28 @@ def test_join_exchanges_records_and_names_the_first_differing_parameter(tmp_path
         late.barrier("attached", [0], timeout=5)
 
 
+class _LateCheck(DirectoryStore):
+    """A store whose first ``check`` answers "missing": the peer publishes its word and then
+    fails between this rank's two reads (the race a loaded machine hits)."""
+
+    checks = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks += 1
+        return self.checks > 1 and super().check(keys)
+
+
+def test_a_word_published_before_the_peer_failed_still_ends_the_wait(tmp_path: Path) -> None:
+    store = _LateCheck(tmp_path / "rdv")
+    attention = rendezvous(store, Role.ATTENTION, 0)
+    store.set(attention.key("rank", 0), b"{}")
+    attention.fail("window geometry differs")
+    ffn = rendezvous(store, Role.FFN, 0)
+    ffn._wait("rank", [0], timeout=5, what="ffn rank 0 waiting")  # returns: the word is there
+    with pytest.raises(PeerAborted, match="attention rank 0 failed: window geometry differs"):
+        ffn.barrier("attached", [0], timeout=5)
+
+
 def test_a_missing_peer_times_out_naming_it(tmp_path: Path) -> None:
     rdv = rendezvous(DirectoryStore(tmp_path / "rdv"), Role.ATTENTION, 0)
     with pytest.raises(PeerTimeout, match=r"no word from ffn rank 0, ffn rank 1 within 0\.2 s"):

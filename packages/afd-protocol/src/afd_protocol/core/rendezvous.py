@@ -397,7 +397,9 @@ class Rendezvous:
             now = time.monotonic()
             if now >= next_check:
                 why = self._failure(peers)
-                if why is not None:
+                # A peer may publish its word and then fail between the two reads: what
+                # this wait needs has arrived, and the failure stops the next wait instead.
+                if why is not None and not self.store.check(keys):
                     raise PeerAborted(f"{what}: {why}")
                 next_check = now + self._liveness_interval
             if timeout is not None and now - start >= timeout:
