@@ -30,6 +30,7 @@ import torch
 from afd_models import DeepseekConfig, FFNRoleExecutor
 from afd_models.weights import SafetensorsWeights
 from afd_protocol import AFDError, Compute, WorkItem
+from afd_protocol.core.heap import freeze_heap
 from afd_vllm.config import parse_afd_config
 from afd_vllm.connectors.base import ModelGeometry
 from afd_vllm.connectors.factory import create_connector
@@ -150,6 +151,7 @@ def serve_ffn(args: argparse.Namespace) -> int:
             f"{time.perf_counter() - started:.1f} s); serving",
             flush=True,
         )
+        freeze_heap()  # no full garbage collection of the start-up heap while serving
         stats = executor.serve(endpoint, keep_waiting=True, compute=counter)
     except KeyboardInterrupt:
         connection.abort()

@@ -37,6 +37,7 @@ from afd_protocol import (
     DispatchHandle,
     EndpointOptions,
 )
+from afd_protocol.core.heap import freeze_heap
 from afd_protocol.core.rendezvous import check_supervisor
 from afd_protocol.launch import roster
 from afd_tools.run.breakdown import Clock, ItemTimer, LayerTimes, TimedEndpoint
@@ -183,6 +184,7 @@ def attention_replica(
         colocated.forward(warm, compute_logits=False)
     if where.type == "cuda":
         torch.cuda.synchronize(where)
+    freeze_heap()  # no full garbage collection of the start-up heap inside a timed mode
     out: dict[str, Any] = {}
     for mode in modes:
         # Sync AFD and colocated DP+EP run every layer together: each step starts with an
@@ -299,6 +301,7 @@ def ffn_rank(
         compute = timer.wrap(executor.compute)
     else:
         compute = staged_compute(timer.wrap(executor.compute), where, connection.device)
+    freeze_heap()  # no full garbage collection of the start-up heap while serving
     stats = executor.serve(endpoint, keep_waiting=True, compute=compute)
     seconds = timer.seconds()
     return {
