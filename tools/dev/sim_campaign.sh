@@ -2,11 +2,12 @@
 # The CPU measurement campaign behind docs/sim.md's validation table and the shipped
 # cpu-tiny calibration: six A:F pairs x two workloads x three modes, each mode its own
 # launch (with --mode all the later modes would run on warm caches), REPS repeats, into
-# DIR. Run it on an otherwise idle machine; about 8 s per launch on 2 cores.
+# DIR, then every report into one run bundle, DIR/runs.json.gz. Run it on an otherwise
+# idle machine; about 5 s per launch on 2 cores.
 #
 #   bash tools/dev/sim_campaign.sh DIR [REPS]
-#   afd sim validate DIR/*.json --json DIR/validation.json
-#   afd sim calibrate DIR/*.json -o cpu-tiny.json
+#   afd sim validate DIR/runs.json.gz --json DIR/validation.json
+#   afd sim calibrate DIR/runs.json.gz -o cpu-tiny.json
 set -euo pipefail
 DIR=${1:?usage: sim_campaign.sh DIR [REPS]}
 REPS=${2:-3}
@@ -24,3 +25,5 @@ for rep in $(seq "$REPS"); do for wl in uneven bimodal; do
         --requests 48 --max-prompt-len 512 --max-num-batched-tokens 512 --mode "$mode" \
         --no-progress --json "$out" > "$out.log" 2>&1 || test -s "$out"
 done; done; done; done
+$AFD sim bundle "$DIR"/a*f*-*-*-r*.json -o "$DIR/runs.json.gz" \
+  --notes "bash tools/dev/sim_campaign.sh $DIR $REPS on $(nproc) cores, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -1,9 +1,12 @@
-"""``afd sim`` against real ``afd run`` measurements on this CPU (issue #16's validation,
+"""``afd sim`` against live ``afd run`` measurements on this CPU (issue #16's validation,
 at a small size). Run by ``make sim-validate``, not by ``make test``: its verdict depends
-on how busy the machine is, which makes it a benchmark: on 2026-12-01, 4 of 9 runs of
-this test's versions on the 2-core VM had one figure beyond its tolerance (one while other
-work ran), most often the held-out colocated makespan (12-19 % high; +15 % and +1 % in
-two runs since idle FFN processes in colocated dp stopped counting as polling).
+on how busy the machine is, which makes it a benchmark. CI checks the model against the
+recorded campaign instead (``test_sim_recorded.py``: fixed real measurements, a
+deterministic fit). On 2026-12-01, after the rank processes began freezing their start-up
+heap, 1 of 3 runs of this test on the 2-core VM met 15 % on every figure; the misses were
+a held-out colocated makespan +20 % (TTFT p50 +26 %) in one run, sync makespan -15.0 % and
+TTFT p50 -18 % / -22 % in another: the fit from two training configurations moved the
+prediction of the same held-out configuration by up to 20 % between runs.
 
 Two ``afd run`` configurations are measured, ``TRAIN_REPEATS`` launches per mode as in the
 full campaign (with ``--mode all`` the later modes run on warm caches, which the model does not
@@ -11,7 +14,7 @@ describe), and the simulator is calibrated on them; a third configuration -- an 
 the calibration never saw -- is measured ``REPEATS`` times per
 mode, and the simulator must predict its median makespan and TTFT p50 in every mode
 within ``TOLERANCE``. ``docs/sim.md`` has the full-size table (six A:F pairs,
-two workloads, five repeats, leave-one-pair-out).
+two workloads, three repeats, leave-one-pair-out).
 
 The check is real, not a tautology: the held-out pair's requests, batches and contention
 (how many processes share the two cores) differ from every training run's, and nothing
@@ -30,12 +33,9 @@ import pytest
 from afd_tools.sim.measured import read_runs
 from afd_tools.sim.validate import FIGURES, predict_held_out, table
 
-TOLERANCE = {"makespan_s": 0.15, "ttft_p50": 0.25}
-"""Relative error allowed on the held-out median. The issue asks for 15 % on both. At this
-CI size, in three runs of this test (2026-12-01, 2 training + 3 held-out launches) the
-makespan errors were -14 % to +7 % and TTFT p50's -17 % to +10 %: TTFT p50 misses 15 %
-now and then, so it is held to 25 % here, openly, and the gap is reported in docs/sim.md;
-the full-size table meets 15 % on TTFT p50 in 27 of 36 rows (and the makespan in 27)."""
+TOLERANCE = {"makespan_s": 0.15, "ttft_p50": 0.15}
+"""Relative error allowed on the held-out median: the issue's 15 % on both figures (the
+module docstring says how often this small live version meets it)."""
 REPEATS = 3
 """Launches per mode of the held-out pair, whose median is the measurement: a single run's
 spread here is up to about +-15 % (docs/sim.md), and with one launch the check failed
@@ -47,10 +47,10 @@ TRAIN_REPEATS = 2
 """Launches per mode of each training configuration: the fit reads every repeat, so one
 slow launch does not shift the coefficients (with one launch, a held-out colocated
 makespan once came out 15.3 % high while its own three launches agreed within 6 %)."""
-CORES_GRID = (1.8,)
+CORES_GRID = (1.6,)
 NOTIFY_GRID = (5e-4,)
 """The fit's two grid parameters, fixed at what the full campaign's fit chose on this
-machine class (docs/sim.md: cores 1.8, notify 0.5 ms): from two training
+machine class (the shipped cpu-tiny calibration: cores 1.6, notify 0.5 ms): from two training
 configurations, a grid search flipped between grid points from run to run and swung the
 held-out prediction by up to 20 %; the coefficients are still fitted here."""
 HELD_OUT = (1, 2, "uneven")

@@ -13,7 +13,7 @@ def test_freeze_heap_frees_garbage_freezes_survivors_and_keeps_collecting() -> N
     script = textwrap.dedent(
         """
         import gc, weakref
-        from afd_protocol.core.heap import freeze_heap
+        from afd_protocol import freeze_heap
 
         class Node:
             pass

@@ -12,7 +12,8 @@ transport can build on it. This namespace is the contract core (:mod:`afd_protoc
   weighted combine of their replies.
 * :class:`AttentionEndpoint`, :class:`FFNEndpoint`, :class:`Connection`,
   :class:`EndpointOptions` -- the protocols every backend implements; :class:`WorkItem`
-  -- what an FFN rank serves; :func:`serve` -- the one FFN serving loop.
+  -- what an FFN rank serves; :func:`serve` -- the one FFN serving loop;
+  :func:`freeze_heap` -- keep the garbage collector's full passes off the serving path.
 * :class:`Rendezvous` over a :class:`KeyValueStore` -- start-up and shutdown agreement.
 * The error hierarchy rooted at :class:`AFDError`.
 
@@ -63,6 +64,7 @@ from afd_protocol.core.header import (
     encode_words,
     next_seq,
 )
+from afd_protocol.core.heap import freeze_heap
 from afd_protocol.core.layout import (
     ALIGN,
     CombineReduce,
@@ -180,6 +182,7 @@ __all__ = [
     "encode_header",
     "encode_words",
     "expert_ids_from_counts",
+    "freeze_heap",
     "new_accumulator",
     "next_seq",
     "plan_dispatch",

@@ -29,8 +29,7 @@ import torch
 
 from afd_models import DeepseekConfig, FFNRoleExecutor
 from afd_models.weights import SafetensorsWeights
-from afd_protocol import AFDError, Compute, WorkItem
-from afd_protocol.core.heap import freeze_heap
+from afd_protocol import AFDError, Compute, WorkItem, freeze_heap
 from afd_vllm.config import parse_afd_config
 from afd_vllm.connectors.base import ModelGeometry
 from afd_vllm.connectors.factory import create_connector

@@ -36,8 +36,8 @@ from afd_protocol import (
     Connection,
     DispatchHandle,
     EndpointOptions,
+    freeze_heap,
 )
-from afd_protocol.core.heap import freeze_heap
 from afd_protocol.core.rendezvous import check_supervisor
 from afd_protocol.launch import roster
 from afd_tools.run.breakdown import Clock, ItemTimer, LayerTimes, TimedEndpoint

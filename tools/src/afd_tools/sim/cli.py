@@ -28,7 +28,7 @@ from afd_tools.run.workload import (
     read_workload,
 )
 from afd_tools.sim import calibrate as calibration_fit
-from afd_tools.sim import costs
+from afd_tools.sim import costs, measured
 from afd_tools.sim import sweep as sweeping
 from afd_tools.sim import validate as validation
 from afd_tools.sim.costs import Calibration, SimError, Wire
@@ -75,6 +75,7 @@ def add_parser(sub: Any) -> None:
     _calibrate_parser(kinds)
     _sweep_parser(kinds)
     _validate_parser(kinds)
+    _bundle_parser(kinds)
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -391,6 +392,37 @@ def run_validate(args: argparse.Namespace) -> int:
         text = json.dumps({"command": shlex.join(sys.argv), "predictions": rows}, indent=1)
         write_atomically(args.json, lambda tmp: tmp.write_text(text + "\n"))
         print(f"wrote {args.json}")
+    return 0
+
+
+def _bundle_parser(kinds: Any) -> None:
+    b = kinds.add_parser(
+        "bundle",
+        help="keep a measurement campaign in one file that calibrate and validate read",
+        description=measured.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument(
+        "runs", nargs="+", type=Path, help="afd run --json reports (or bench files, bundles)"
+    )
+    b.add_argument(
+        "-o", "--output", type=Path, required=True, help="the bundle (name it *.json.gz)"
+    )
+    b.add_argument("--notes", default="", help="free text kept in the bundle (machine, date)")
+    b.set_defaults(handler=run_bundle)
+
+
+def run_bundle(args: argparse.Namespace) -> int:
+    if not args.output.name.endswith(".json.gz"):
+        raise SimError(f"-o {args.output}: a run bundle is gzip-compressed JSON; name it *.json.gz")
+    check_writable(args.output)
+    argv = ["afd", "sim", "bundle", *(str(p) for p in args.runs), "-o", str(args.output)]
+    if args.notes:
+        argv += ["--notes", args.notes]
+    data = measured.bundle(list(args.runs), shlex.join(argv), args.notes)
+    payload = measured.encode_bundle(data)
+    write_atomically(args.output, lambda tmp: tmp.write_bytes(payload))
+    print(f"wrote {args.output}: {len(data['reports'])} reports, {len(payload) / 1e3:.1f} kB")
     return 0
 
 

@@ -1,8 +1,16 @@
-"""Measured runs as ``afd sim calibrate`` reads them: ``afd run --json`` reports, or the
-``afd bench prefill --json`` file that holds several of them."""
+"""Measured runs as ``afd sim calibrate`` reads them: ``afd run --json`` reports, the
+``afd bench prefill --json`` file that holds several of them, or a *run bundle*.
+
+A run bundle (``afd sim bundle``) keeps a whole measurement campaign in one gzip-compressed
+JSON file: every report, under the name it was measured as, with the command and notes
+that describe the campaign. The shipped ``cpu-tiny`` calibration is fitted from one
+(``calibrations/cpu-tiny-runs.json.gz``), so anyone can refit it or rerun ``afd sim
+validate`` on the measurements it came from, and CI checks the simulator against them.
+"""
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,22 +106,77 @@ def parse_report(report: Any, where: str) -> MeasuredRun:
         raise SimError(f"{where}: malformed afd run report ({exc!r})") from None
 
 
+BUNDLE_SCHEMA = "afd-sim-runs/1"
+
+
+def _load(path: Path) -> Any:
+    """A JSON file, gzip-compressed when its name ends in ``.gz``."""
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return json.load(f)
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise SimError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SimError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+
+
+def _reports(data: Any, path: Path) -> list[tuple[str, str, Any]]:
+    """``(where, name, report)`` for every report a file holds: ``where`` for messages,
+    ``name`` for a bundle entry."""
+    if isinstance(data, dict) and data.get("schema") == BUNDLE_SCHEMA:
+        entries = data.get("reports")
+        if not isinstance(entries, list):
+            raise SimError(f"{path}: a run bundle's 'reports' must be a list")
+        out = []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict) or "report" not in entry:
+                raise SimError(f"{path}: reports[{i}] has no 'report'")
+            name = str(entry.get("source", f"{path.name}:{i}"))
+            out.append((f"{path}:{name}", name, entry["report"]))
+        return out
+    if isinstance(data, dict) and "runs" in data:  # afd bench prefill
+        return [
+            (f"{path} run {i}", f"{path.name}:{i}", entry["report"])
+            for i, entry in enumerate(data["runs"])
+            if isinstance(entry, dict) and "report" in entry
+        ]
+    return [(str(path), path.name, data)]
+
+
 def read_runs(paths: list[Path]) -> list[MeasuredRun]:
-    """Every run in the given files (``afd run`` reports or ``afd bench prefill`` files)."""
-    out: list[MeasuredRun] = []
-    for path in paths:
-        try:
-            data = json.loads(path.read_text())
-        except OSError as exc:
-            raise SimError(f"cannot read {path}: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
-            raise SimError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-        if isinstance(data, dict) and "runs" in data:  # afd bench prefill
-            for i, entry in enumerate(data["runs"]):
-                if isinstance(entry, dict) and "report" in entry:
-                    out.append(parse_report(entry["report"], f"{path} run {i}"))
-        else:
-            out.append(parse_report(data, str(path)))
+    """Every run in the given files (``afd run`` reports, ``afd bench prefill`` files, run
+    bundles)."""
+    out = [
+        parse_report(report, where)
+        for path in paths
+        for where, _, report in _reports(_load(path), path)
+    ]
     if not out:
         raise SimError("no measured runs in the given files")
     return out
+
+
+def bundle(paths: list[Path], command: str, notes: str) -> dict[str, Any]:
+    """One run bundle of every report in ``paths`` (each checked to parse), named by its
+    file name; bundles and bench files are flattened into it."""
+    reports = []
+    for path in paths:
+        for where, name, report in _reports(_load(path), path):
+            parse_report(report, where)
+            reports.append({"source": name, "report": report})
+    if not reports:
+        raise SimError("no measured runs in the given files")
+    names = [r["source"] for r in reports]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise SimError(f"two reports share a name {repeated[:3]}: bundle each campaign once")
+    return {"schema": BUNDLE_SCHEMA, "command": command, "notes": notes, "reports": reports}
+
+
+def encode_bundle(data: dict[str, Any]) -> bytes:
+    """``data`` as gzip-compressed JSON; the same bundle gives the same bytes (no timestamp
+    in the gzip header), so a re-bundled campaign shows no change in git."""
+    raw = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+    return gzip.compress(raw, compresslevel=9, mtime=0)
