@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as nnf
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from afd_models.batch import KVCache, Segment
 from afd_models.config import DeepseekConfig
@@ -23,6 +24,24 @@ from afd_models.norm import RMSNorm
 from afd_models.params import ParamSpec
 from afd_models.rotary import RotaryEmbedding
 from afd_models.weights import WeightSource
+
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention kernels allowed on a GPU: every one but cuDNN's, which builds an execution
+plan per sequence length. On one H200 (torch 2.11, MLA's head dims q/k 192, v 128, 128
+heads, bf16, ~2K tokens) cuDNN's first call of a new length took 48 ms and a repeat 0.7
+ms; memory-efficient attention took 2.5 ms and 2.4 ms (``tools/gpu/sdpa_shapes.py``).
+Prompt lengths of a prefill workload are nearly all distinct, so cuDNN paid its 48 ms per
+request and layer: in ``afd run --mode all`` the first mode paid them and the next found
+the plans cached (v3-slice ``uneven``: 245 ms of attention-side compute per layer for sync
+run first, 35 ms run second). Flash attention needs equal q/k/v head dims, which MLA does
+not have, so memory-efficient attention is what runs."""
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    if q.device.type != "cuda":  # no per-shape planning on the CPU; skip the context's cost
+        return nnf.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return nnf.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
 
 
 class MLAttention:
@@ -109,10 +128,10 @@ class MLAttention:
         # memory-efficient) apply; 3-D inputs fall back to the unfused math kernel.
         q_, k_, v_ = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
         if start == 0:
-            out = nnf.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale)
+            out = _sdpa(q_, k_, v_, is_causal=True, scale=self.scale)
         else:
             qpos = torch.arange(start, start + q.shape[0], device=q.device)
             kpos = torch.arange(k.shape[0], device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
-            out = nnf.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale)
+            out = _sdpa(q_, k_, v_, attn_mask=mask, scale=self.scale)
         return out.squeeze(0).transpose(0, 1)
