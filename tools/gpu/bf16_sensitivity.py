@@ -1,5 +1,7 @@
 """Is the bf16 verification outlier of ``afd bench prefill`` (one v3-slice request off by
-1.6e-1 in every mode, colocated included) a property of bf16 or of afd's exchange?
+1.6e-1 in every mode, colocated included, while attention ran cuDNN's kernel; gone since
+commit 5b68de2 moved it to memory-efficient attention) a property of bf16 or of afd's
+exchange?
 
 No rank, no exchange here: every request of the GPU suite's workload is prefilled alone by
 ``MonolithicModel`` four ways -- float32 (the truth) and bfloat16, each with the
