@@ -87,10 +87,18 @@ def main(folder: str) -> int:
     else:
         rows.append(("1-GPU loop", "(no loopback-formats.json)", "FAIL"))
         failed += 1
-    prefill = root / "bench-prefill.json"
-    if prefill.exists():
+    # bench-prefill.json: the main job on 1-2 GPUs; bench-prefill-<A>a<F>f-s<N>.json: the
+    # 4-GPU section (issue #17), when the machine had four.
+    files = sorted(
+        root.glob("bench-prefill*.json"), key=lambda f: (f.name != "bench-prefill.json", f.name)
+    )
+    if not any(f.name == "bench-prefill.json" for f in files):
+        rows.append(("prefill", "(no bench-prefill.json)", "FAIL"))
+        failed += 1
+    for prefill in files:
+        tag = prefill.stem.removeprefix("bench-prefill").lstrip("-")
         for entry in json.loads(prefill.read_text())["runs"]:
-            name = f"{entry['preset']} {entry['workload']}"
+            name = f"{tag + ' ' if tag else ''}{entry['preset']} {entry['workload']}"
             report = entry.get("report")
             if report is None:
                 rows.append(("prefill", name, f"FAIL (exit {entry['exit_code']})"))
@@ -109,9 +117,6 @@ def main(folder: str) -> int:
                 )
                 rows.append(("prefill", f"{name} {mode}", outcome))
                 failed += mode in bad
-    else:
-        rows.append(("prefill", "(no bench-prefill.json)", "FAIL"))
-        failed += 1
     width = max(len(r[1]) for r in rows)
     print("\nGPU suite summary")
     for kind, name, outcome in rows:
