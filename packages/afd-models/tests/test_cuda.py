@@ -6,9 +6,12 @@ Skipped without CUDA (the CPU CI machine); run on a GPU host with
 
 from __future__ import annotations
 
+from typing import Any
+
 import afd_models_naive as naive
 import pytest
 import torch
+from torch.nn import functional
 
 from afd_models import (
     BackendUnavailable,
@@ -81,3 +84,30 @@ def test_grouped_mm_on_cuda_agrees_with_reference_or_says_why(dtype: torch.dtype
         return
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert naive.relative_error(out, reference) <= tolerance
+
+
+def _cudnn_sdp_enabled() -> bool:
+    return bool(torch.backends.cuda.cudnn_sdp_enabled())  # type: ignore[no-untyped-call]
+
+
+def test_attention_never_lets_cudnn_plan_per_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's SDPA builds a plan per sequence length (48 ms on an H200 for each new
+    prompt length, docs/benchmarks.md), so the model runs attention with it disabled: every
+    call, of any length, with or without a cache, sees cuDNN off."""
+    seen: list[tuple[int, bool]] = []
+    original = functional.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append((q.shape[-2], _cudnn_sdp_enabled()))
+        out: torch.Tensor = original(q, *args, **kwargs)
+        return out
+
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", recording)
+    config = make_preset("v3-mini")
+    model = MonolithicModel(config, RandomWeights(3), dtype=torch.bfloat16, device="cuda")
+    before = _cudnn_sdp_enabled()
+    model.forward(PROMPTS)
+    assert {n for n, _ in seen} >= {37, 5, 80}
+    model.forward(PROMPTS, num_stages=2)  # stage 2 attends through the cache (a mask)
+    assert not any(enabled for _, enabled in seen), seen
+    assert _cudnn_sdp_enabled() == before  # the setting is scoped to the call
