@@ -53,8 +53,9 @@ layers: $(STAMP)
 pytest: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not timing" $(foreach d,$(PKG_DIRS),$(d)/tests)
 
-# afd sim against real afd run timings on this machine (issue #16's validation at a small
-# size, ~90 s): a benchmark's verdict, since a busy machine moves it, so not in make test.
+# afd sim against live afd run timings on this machine (issue #16's validation at a small
+# size, ~110 s): a benchmark's verdict, since a busy machine moves it, so not in make test
+# (make test checks the model on the recorded campaign: tools/tests/test_sim_recorded.py).
 sim-validate: $(STAMP)
 	$(PY) -m pytest -q -s -m timing tools/tests/test_sim_validation.py
 
