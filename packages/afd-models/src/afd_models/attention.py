@@ -13,6 +13,7 @@ values here, row by row exactly as the request's own tokens are.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch.nn import functional as nnf
@@ -37,11 +38,10 @@ run first, 35 ms run second). Flash attention needs equal q/k/v head dims, which
 not have, so memory-efficient attention is what runs."""
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
-    if q.device.type != "cuda":  # no per-shape planning on the CPU; skip the context's cost
-        return nnf.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
-    with sdpa_kernel(CUDA_SDPA_BACKENDS):
-        return nnf.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+def _allowed_kernels(device: torch.device) -> AbstractContextManager[None]:
+    """Scope :data:`CUDA_SDPA_BACKENDS` over one layer's segments (entered once per layer,
+    not per segment); nothing to choose on the CPU, which has no per-shape planning."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 class MLAttention:
@@ -99,12 +99,13 @@ class MLAttention:
         k_pe = self.rotary(k_pe.reshape(t, 1, rope), cos, sin).reshape(t, rope)
         queries = torch.cat((q_nope, q_pe), dim=-1)
         out = x.new_empty(t, heads, vdim)
-        for seg in segments:
-            seg_latent, seg_rope = latent[seg.rows], k_pe[seg.rows]
-            if seg.start or not seg.ends_request:
-                seg_latent, seg_rope = cache.extend(self.layer, seg, seg_latent, seg_rope)
-            k, v = self._expand(seg_latent, seg_rope)
-            out[seg.rows] = self._attend(queries[seg.rows], k, v, seg.start)
+        with _allowed_kernels(x.device):
+            for seg in segments:
+                seg_latent, seg_rope = latent[seg.rows], k_pe[seg.rows]
+                if seg.start or not seg.ends_request:
+                    seg_latent, seg_rope = cache.extend(self.layer, seg, seg_latent, seg_rope)
+                k, v = self._expand(seg_latent, seg_rope)
+                out[seg.rows] = self._attend(queries[seg.rows], k, v, seg.start)
         return nnf.linear(out.reshape(t, heads * vdim), self.weights["o_proj"])
 
     def _expand(
@@ -128,10 +129,10 @@ class MLAttention:
         # memory-efficient) apply; 3-D inputs fall back to the unfused math kernel.
         q_, k_, v_ = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
         if start == 0:
-            out = _sdpa(q_, k_, v_, is_causal=True, scale=self.scale)
+            out = nnf.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale)
         else:
             qpos = torch.arange(start, start + q.shape[0], device=q.device)
             kpos = torch.arange(k.shape[0], device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
-            out = _sdpa(q_, k_, v_, attn_mask=mask, scale=self.scale)
+            out = nnf.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale)
         return out.squeeze(0).transpose(0, 1)

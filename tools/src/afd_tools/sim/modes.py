@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from afd_tools.run.breakdown import LayerTimes
 from afd_tools.run.workload import Chunk, ChunkQueue, Request
 from afd_tools.sim.costs import CostModel, experts_touched
 from afd_tools.sim.engine import COMPUTE, DELAY, WAIT, Engine, Part, Process, Signal
@@ -110,19 +111,17 @@ class ReplicaRecord:
     dispatch: Features = field(default_factory=Features)
 
     def finish(self) -> None:
-        """Fill :attr:`layer_times` the way :class:`afd_tools.run.breakdown.LayerTimes`
-        does."""
-        if not self.dispatches:
-            return
-        per = 1e3 / self.dispatches
-        compute = self.step_s - self.dispatch_s - self.combine_s - self.barrier_s
-        self.layer_times = {
-            "moe_layers": float(self.dispatches),
-            "compute_ms_per_layer": max(0.0, compute) * per,
-            "dispatch_ms_per_layer": self.dispatch_s * per,
-            "combine_ms_per_layer": self.combine_s * per,
-            "barrier_ms_per_layer": self.barrier_s * per,
-        }
+        """Fill :attr:`layer_times` as ``afd run`` does (by
+        :meth:`afd_tools.run.breakdown.LayerTimes.as_dict`)."""
+        if self.dispatches:
+            times = LayerTimes(
+                dispatch_s=self.dispatch_s,
+                combine_s=self.combine_s,
+                step_s=self.step_s,
+                barrier_s=self.barrier_s,
+                layers=self.dispatches,
+            )
+            self.layer_times = times.as_dict()
 
 
 @dataclass
