@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from afd_models import preset
 from afd_tools.cli import main
 from afd_tools.run.workload import Request, assign
-from afd_tools.sim import costs
-from afd_tools.sim.calibrate import fit_runs, nnls_relative
+from afd_tools.sim import calibrate, costs
+from afd_tools.sim.calibrate import fit_runs
 from afd_tools.sim.costs import Calibration, SimError, Wire, rank_hit_probability
 from afd_tools.sim.engine import COMPUTE, DELAY, WAIT, Engine, Signal
 from afd_tools.sim.measured import MeasuredRun
@@ -313,14 +313,6 @@ def test_per_rank_wire_sends_fewer_bytes_than_per_choice() -> None:
     assert per_choice.combine_bytes(1000) == pytest.approx(6 * per_rank.combine_bytes(1000))
 
 
-def test_nnls_relative_recovers_a_line() -> None:
-    rows = [[1.0, t] for t in (1.0, 2.0, 5.0, 9.0)]
-    values = [0.5 + 2.0 * t for t in (1.0, 2.0, 5.0, 9.0)]
-    assert nnls_relative(rows, values) == pytest.approx([0.5, 2.0])
-    # a coefficient that would be negative is dropped, not returned negative
-    assert min(nnls_relative(rows, [10 - t for t in (1.0, 2.0, 5.0, 9.0)])) >= 0
-
-
 # calibration round trip -------------------------------------------------------------------
 def _synthetic_runs(truth: Calibration) -> list[MeasuredRun]:
     """Simulated "measurements" of several configurations with known coefficients."""
@@ -329,11 +321,12 @@ def _synthetic_runs(truth: Calibration) -> list[MeasuredRun]:
     lengths_by_workload = {
         "a": [37, 200, 12, 90, 150, 8, 64, 256, 5, 120],
         "b": [250, 10, 10, 240, 16, 200, 30, 9],
+        "c": [180, 45, 3, 77, 210, 33, 128, 60, 14, 99],
     }
     for (a, f), (name, lengths) in (
         ((1, 1), ("a", lengths_by_workload["a"])),
         ((2, 1), ("b", lengths_by_workload["b"])),
-        ((1, 2), ("a", lengths_by_workload["a"])),
+        ((1, 2), ("c", lengths_by_workload["c"])),
         ((2, 2), ("b", lengths_by_workload["b"])),
         ((3, 1), ("a", lengths_by_workload["a"])),
     ):
@@ -395,6 +388,40 @@ def test_calibration_round_trip_recovers_known_coefficients() -> None:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
     assert 1 / fitted.dispatch_bandwidth == pytest.approx(1 / truth.dispatch_bandwidth, rel=0.1)
     assert fitted.fit["mean_abs_log_error_makespan_ttft_p50"] < 0.01
+
+
+def test_coefficients_the_runs_cannot_separate_are_named_not_guessed(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """1A1F on one mix and 2A1F, 2A2F on another give two distinct attention batches per
+    layer: three attention coefficients cannot all be determined. The fit sets the last
+    in preference (the fixed cost) to 0 and says so, in the file and on the screen,
+    instead of returning whichever split the linear algebra's rounding favoured."""
+    runs = [
+        r
+        for r in _synthetic_runs(_generic_truth())
+        if (r.attention_ranks, r.ffn_ranks) in ((1, 1), (2, 1), (2, 2))
+    ]
+    cal = fit_runs(runs, cores_grid=[None], notify_grid=[5e-4])
+    assert cal.attn_fixed_s == 0.0
+    assert set(cal.fit["not_determined"]) == {"attn_fixed_s"}
+    assert (
+        "not separable from attn_token_s, attn_square_s"
+        in cal.fit["not_determined"]["attn_fixed_s"]
+    )
+    # the FFN and dispatch coefficients are still recovered
+    truth = _generic_truth()
+    for name in ("ffn_item_s", "ffn_expert_s", "ffn_row_s", "dispatch_latency_s"):
+        assert getattr(cal, name) == pytest.approx(getattr(truth, name), rel=EXACT), name
+    sources = []
+    for i, run in enumerate(runs):
+        sources.append(tmp_path / f"run{i}.json")
+        sources[-1].write_text(json.dumps(_as_report(run)))
+    out = tmp_path / "cal.json"
+    args = ["sim", "calibrate", *map(str, sources), "-o", str(out), "--cores-grid", "none"]
+    assert main([*args, "--notify-grid", "500", "--no-progress"]) == 0
+    assert "not determined, set to 0: attn_fixed_s: not separable" in capsys.readouterr().out
+    assert set(json.loads(out.read_text())["fit"]["not_determined"]) == {"attn_fixed_s"}
 
 
 # calibration files and the command -------------------------------------------------------
@@ -523,15 +550,47 @@ def test_sweep_splits_and_command(tmp_path: Path, capsys: Any) -> None:
     assert len(report["points"]) == 2 * 2 * 2 + 2
 
 
+def _generic_truth() -> Calibration:
+    """Coefficients like a CPU campaign's, none of them zero or round: a schedule built
+    from round numbers has exact ties (two replicas' items ready at the same instant), and
+    which way a tie goes turns on the last bit of a fitted coefficient -- a fitted 5.8e-19
+    instead of a true 0 moved a held-out makespan by 10 %. The values the fit does not
+    estimate (barrier, collectives) are the fit's own."""
+    return _cal(
+        attn_fixed_s=1.3e-3,
+        attn_token_s=7.3e-6,
+        attn_square_s=3.7e-8,
+        ffn_item_s=2.6e-4,
+        ffn_expert_s=1.9e-5,
+        ffn_row_s=6.1e-7,
+        dispatch_latency_s=3.4e-4,
+        dispatch_bandwidth=4.1e8,
+        combine_latency_s=3.4e-4,
+        combine_bandwidth=4.1e8,
+        notify_s=5e-4,
+        barrier_s=calibrate.BARRIER_S,
+        collective_latency_s=calibrate.COLLECTIVE_LATENCY_S,
+        collective_bandwidth=calibrate.COLLECTIVE_BANDWIDTH,
+        cores=None,
+    )
+
+
+EXACT = 1e-9
+"""Relative error allowed where the fit must recover the truth: the measured worst over
+the 15 held-out rows below is 9e-16 (rounding), so this leaves six orders of margin and
+still fails on any real modelling difference (a merged combine latency alone moves a
+makespan by 0.4 %)."""
+
+
 def test_afd_sim_validate_leaves_each_pair_out(tmp_path: Path, capsys: Any) -> None:
-    """On runs the model itself produced, every held-out pair is predicted almost exactly
-    from the other pairs; fewer than two pairs is refused."""
+    """On runs the model itself produced, every held-out pair is predicted exactly from
+    the other pairs; fewer than two pairs is refused."""
     sources = []
-    for i, run in enumerate(_synthetic_runs(_cal(cores=None))):
+    for i, run in enumerate(_synthetic_runs(_generic_truth())):
         sources.append(tmp_path / f"run{i}.json")
         sources[-1].write_text(json.dumps(_as_report(run)))
     out = tmp_path / "validation.json"
-    grids = ["--cores-grid", "none", "--notify-grid", "125", "--no-progress"]
+    grids = ["--cores-grid", "none", "--notify-grid", "500", "--no-progress"]
     assert main(["sim", "validate", *map(str, sources), *grids, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| 1A2F uneven 10 req, budget 256, stages 1 | async | 1 |" in printed
@@ -539,14 +598,8 @@ def test_afd_sim_validate_leaves_each_pair_out(tmp_path: Path, capsys: Any) -> N
     rows = json.loads(out.read_text())["predictions"]
     assert len(rows) == 15  # five pairs x three modes
     for row in rows:
-        measured = row["measured"]["makespan_s"][0]
-        assert row["predicted"]["makespan_s"] == pytest.approx(measured, rel=0.02), row
-    # TTFT p50 of ten requests is a step function of the costs (a 0.6 % change in 3A1F
-    # sync's makespan moves its median request by 12 %), so one row may miss.
-    close = [
-        r["predicted"]["ttft_p50"] == pytest.approx(r["measured"]["ttft_p50"][0], rel=0.02)
-        for r in rows
-    ]
-    assert sum(close) >= 14, rows
+        for figure in ("makespan_s", "ttft_p50"):
+            measured = row["measured"][figure][0]
+            assert row["predicted"][figure] == pytest.approx(measured, rel=EXACT), row
     assert main(["sim", "validate", str(sources[0]), *grids]) == 2
     assert "at least two A:F pairs" in capsys.readouterr().err

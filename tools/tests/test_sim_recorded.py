@@ -27,15 +27,16 @@ from afd_tools.sim import costs
 from afd_tools.sim.calibrate import fit_runs
 from afd_tools.sim.costs import SimError
 from afd_tools.sim.measured import MeasuredRun, bundle, encode_bundle, read_runs
-from afd_tools.sim.validate import FIGURES, leave_one_pair_out, table
+from afd_tools.sim.validate import FIGURES, Prediction, leave_one_pair_out, table
 
 BUNDLE = Path(str(resources.files("afd_tools.sim") / "calibrations" / "cpu-tiny-runs.json.gz"))
 TOLERANCE = 0.15
 """The issue's bound on the relative error of makespan and TTFT p50."""
 AT_LEAST_WITHIN = {"makespan_s": 30, "ttft_p50": 29}
 """Rows of 36 within TOLERANCE that the model must keep. At commit e47042b's campaign the
-model reached 31 and 30 (docs/sim.md); one row of slack each for floating-point
-differences between machines in the least-squares fits."""
+model reached 31 and 30 (docs/sim.md), the same with the scipy fit; one row of slack each
+for a change to the simulator that moves a borderline row (the fit itself no longer varies
+between machines: ``test_sim_fitting.py``)."""
 MEAN_ERROR_BELOW = 0.10
 """Mean absolute relative error, both figures (8.3 % and 8.0 % when recorded)."""
 WHOLE_CONFIGURATIONS = 6
@@ -71,20 +72,41 @@ def test_the_shipped_calibration_is_refitted_from_its_bundle(runs: list[Measured
             assert got == want, field.name
 
 
-def test_held_out_pairs_are_predicted_within_15_percent(runs: list[MeasuredRun]) -> None:
-    predictions = leave_one_pair_out(runs)
-    assert len(predictions) == 36
-    print(table(predictions))
+def _misses(predictions: list[Prediction]) -> list[str]:
+    """What of the bar (the constants above) ``predictions`` fail; empty when they pass."""
+    misses = []
     for figure in FIGURES:
         errors = [abs(p.error(figure)) for p in predictions]
         within = sum(e <= TOLERANCE for e in errors)
-        assert within >= AT_LEAST_WITHIN[figure], (figure, within, sorted(errors)[-8:])
-        assert sum(errors) / len(errors) < MEAN_ERROR_BELOW, figure
+        if within < AT_LEAST_WITHIN[figure]:
+            misses.append(f"{figure}: {within} within {TOLERANCE:.0%}")
+        if sum(errors) / len(errors) >= MEAN_ERROR_BELOW:
+            misses.append(f"{figure}: mean error {sum(errors) / len(errors):.1%}")
     whole: dict[str, bool] = {}
     for p in predictions:
         good = all(abs(p.error(f)) <= TOLERANCE for f in FIGURES)
         whole[p.label] = whole.get(p.label, True) and good
-    assert sum(whole.values()) >= WHOLE_CONFIGURATIONS, whole
+    if sum(whole.values()) < WHOLE_CONFIGURATIONS:
+        misses.append(f"{sum(whole.values())} whole configurations within {TOLERANCE:.0%}")
+    return misses
+
+
+def test_held_out_pairs_are_predicted_within_15_percent(runs: list[MeasuredRun]) -> None:
+    predictions = leave_one_pair_out(runs)
+    assert len(predictions) == 36
+    print(table(predictions))
+    assert _misses(predictions) == []
+
+
+def test_a_deliberately_worse_model_fails_the_bar(runs: list[MeasuredRun]) -> None:
+    """The bar is not loose: the same protocol with ``cores`` forced to 2 (the core count,
+    ignoring hyper-threads and memory bandwidth) and the notification latency to 50 us
+    misses it (docs/sim.md: 25 and 23 of 36)."""
+    predictions = leave_one_pair_out(runs, cores_grid=[2.0], notify_grid=[5e-5])
+    assert len(predictions) == 36
+    misses = _misses(predictions)
+    assert any(m.startswith("makespan_s:") for m in misses), misses
+    assert any(m.startswith("ttft_p50:") for m in misses), misses
 
 
 def test_validate_command_reads_the_bundle(

@@ -8,7 +8,9 @@ Two sources:
   simulator replays each run, which gives the cost model's inputs summed the way the
   report averages them (tokens, squared tokens, rows, experts touched, bytes) -- and how
   much the simulated ranks were slowed down by sharing the processors. A non-negative
-  least-squares fit (relative errors) of the measured times on those inputs gives the
+  least-squares fit (relative errors; :mod:`afd_tools.sim.fitting`, which sets to 0 and
+  names, in the calibration's ``fit.not_determined``, any coefficient the runs cannot
+  separate from the others) of the measured times on those inputs gives the
   coefficients; replaying again with them refines the slow-down, three times. The number
   of ``cores`` (how much two busy processes really get on this machine: hyper-threads and
   memory bandwidth make it less than the core count) and the arrival-notification latency
@@ -29,10 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from afd_models import preset
 from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
+from afd_tools.sim.fitting import LinearFit, fit_nonnegative
 from afd_tools.sim.measured import MeasuredRun
 from afd_tools.sim.modes import MODES, ModeRun
 from afd_tools.sim.simulate import deployment, simulate_mode, summary
@@ -43,33 +44,12 @@ IDLE_GRID = (0.0, 0.1)
 BARRIER_S = 5e-5
 """CPU lockstep: one message through a pipe to each other replica (a blocking poll wakes
 at once); fixed, not fitted."""
+COLLECTIVE_LATENCY_S = 1e-4
+COLLECTIVE_BANDWIDTH = 1e9
+"""The colocated exchange's cost in a calibration from runs: not fitted (the fit reads the
+AFD modes' breakdowns only), an estimate for gloo on one machine."""
 ITERATIONS = 3
 AFD_MODES = ("async", "sync")
-
-
-def nnls_relative(rows: list[list[float]], targets: list[float]) -> list[float]:
-    """Non-negative least squares on relative errors: minimise ``sum((x.row / t - 1)**2)``
-    with ``x >= 0`` (active set: drop the most negative coefficient and solve again)."""
-    a = np.array(rows, dtype=float)
-    b = np.array(targets, dtype=float)
-    if a.size == 0:
-        raise SimError("no measurements to fit (the runs have no per-layer breakdown)")
-    scale = np.where(b > 0, 1.0 / np.maximum(b, 1e-12), 0.0)
-    a = a * scale[:, None]
-    b = b * scale
-    norms = np.linalg.norm(a, axis=0)
-    norms[norms == 0] = 1.0
-    a = a / norms
-    free = list(range(a.shape[1]))
-    x = np.zeros(a.shape[1])
-    while free:
-        sol, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
-        if (sol >= 0).all():
-            x[:] = 0
-            x[free] = sol
-            break
-        free.pop(int(np.argmin(sol)))
-    return [float(v) for v in x / norms]
 
 
 @dataclass
@@ -129,9 +109,20 @@ def _deployment(run: MeasuredRun, cal: Calibration) -> Any:
     )
 
 
-def _regress(replays: list[Replay], cal: Calibration) -> Calibration:
+ATTENTION_FEATURES = ("attn_token_s", "attn_square_s", "attn_fixed_s")
+"""Attention per layer: tokens, squared lengths, a fixed cost (in order of preference when
+the runs cannot separate them)."""
+FFN_FEATURES = ("ffn_row_s", "ffn_item_s", "ffn_expert_s")
+"""An FFN rank's time per item: rows computed, serves, local experts touched."""
+DISPATCH_FEATURES = ("dispatch_latency_s", "dispatch_s_per_byte")
+"""A dispatch: a fixed cost and bytes. The measured combine includes the wait for the FFN
+ranks, so it cannot calibrate itself: combine is given dispatch's latency and bandwidth."""
+
+
+def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict[str, str]]:
     """One least-squares pass: coefficients from the measured breakdowns, given the
-    simulated inputs and slow-downs of ``replays``."""
+    simulated inputs and slow-downs of ``replays``; and which coefficients the
+    measurements could not determine (by name, why)."""
     attn_rows, attn_t = [], []
     ffn_rows, ffn_t = [], []
     disp_rows, disp_t = [], []
@@ -142,9 +133,9 @@ def _regress(replays: list[Replay], cal: Calibration) -> Calibration:
             row = [0.0, 0.0, 0.0]
             for r in recs:
                 s = r.attention.stretch / r.dispatches / len(recs)
-                row[0] += s * r.attention.count
-                row[1] += s * r.attention.tokens
-                row[2] += s * r.attention.square
+                row[0] += s * r.attention.tokens
+                row[1] += s * r.attention.square
+                row[2] += s * r.attention.count
             attn_rows.append(row)
             attn_t.append(b["compute_ms_per_layer"] / 1e3)
         if "dispatch_ms_per_layer" in b and recs:
@@ -158,24 +149,23 @@ def _regress(replays: list[Replay], cal: Calibration) -> Calibration:
         f = rp.sim.ffn
         if "ffn_ms_per_item" in b and f.items:
             s = f.stretch / f.items
-            ffn_rows.append([s * f.serves, s * f.touched, s * f.rows])
+            ffn_rows.append([s * f.rows, s * f.serves, s * f.touched])
             ffn_t.append(b["ffn_ms_per_item"] / 1e3)
-    a0, a1, a2 = nnls_relative(attn_rows, attn_t)
-    f0, fe, fr = nnls_relative(ffn_rows, ffn_t)
-    d0, d1 = nnls_relative(disp_rows, disp_t)
-    bandwidth = 1.0 / d1 if d1 > 0 else 1e15
-    return cal.replace(
-        attn_fixed_s=a0,
-        attn_token_s=a1,
-        attn_square_s=a2,
-        ffn_item_s=f0,
-        ffn_expert_s=fe,
-        ffn_row_s=fr,
-        dispatch_latency_s=d0,
+    fits: list[LinearFit] = [
+        fit_nonnegative(ATTENTION_FEATURES, attn_rows, attn_t, "attention compute per layer"),
+        fit_nonnegative(FFN_FEATURES, ffn_rows, ffn_t, "FFN time per item"),
+        fit_nonnegative(DISPATCH_FEATURES, disp_rows, disp_t, "dispatch per layer"),
+    ]
+    values = {name: v for fit in fits for name, v in fit.coefficients.items()}
+    per_byte = values.pop("dispatch_s_per_byte")
+    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e15
+    cal = cal.replace(
+        **values,
         dispatch_bandwidth=bandwidth,
-        combine_latency_s=d0,
+        combine_latency_s=values["dispatch_latency_s"],
         combine_bandwidth=bandwidth,
     )
+    return cal, {name: why for fit in fits for name, why in fit.dropped.items()}
 
 
 def _log_error(predicted: float, measured: float) -> float:
@@ -215,8 +205,8 @@ def _start(run: MeasuredRun, cores: float | None, notify: float) -> Calibration:
         combine_bandwidth=1e9,
         notify_s=notify,
         barrier_s=BARRIER_S,
-        collective_latency_s=1e-4,
-        collective_bandwidth=1e9,
+        collective_latency_s=COLLECTIVE_LATENCY_S,
+        collective_bandwidth=COLLECTIVE_BANDWIDTH,
         cores=cores,
         comm_uses_cores=run.device == "cpu",
     )
@@ -239,24 +229,25 @@ def fit_runs(
         raise SimError(
             f"the runs mix presets/layers/dtypes/devices {mixed}; calibrate each separately"
         )
-    best: tuple[float, Calibration] | None = None
+    best: tuple[float, Calibration, dict[str, str]] | None = None
     points = [(c, n, i) for c in cores_grid for n in notify_grid for i in idle_grid]
     for index, (cores, notify, idle) in enumerate(points):
         if cores is None and idle != idle_grid[0]:
             continue  # idle polling only matters when the ranks share cores
         cal = _start(first, cores, notify).replace(idle_load=idle)
         for _ in range(ITERATIONS):
-            cal = _regress(replay(runs, cal, AFD_MODES), cal)
+            cal, dropped = _regress(replay(runs, cal, AFD_MODES), cal)
         value = score(runs, cal)
         if best is None or value < best[0]:
-            best = (value, cal)
+            best = (value, cal, dropped)
         if progress is not None:
             progress(index + 1, len(points))
     assert best is not None
-    value, cal = best
+    value, cal, dropped = best
     return cal.replace(
         fit={
             "runs": len(runs),
+            "not_determined": dropped,
             "configurations": sorted({r.label for r in runs}),
             "mean_abs_log_error_makespan_ttft_p50": value,
             "grid": {
@@ -286,8 +277,16 @@ def _entries(anchors: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return entries
 
 
-def _lstsq(rows: list[list[float]], values: list[float]) -> list[float]:
-    return nnls_relative(rows, values)
+def _fit(
+    names: tuple[str, ...], rows: list[list[float]], values: list[float], what: str
+) -> list[float]:
+    """The anchors' fits (:func:`fit_nonnegative`); a coefficient the figures cannot
+    determine is an error here: anchors are few, chosen points, so add one that separates
+    it."""
+    fit = fit_nonnegative(names, rows, values, f"anchors: {what}")
+    if fit.dropped:
+        raise SimError("; ".join(f"{name}: {why}" for name, why in fit.dropped.items()))
+    return [fit[name] for name in names]
 
 
 def fit_anchors(anchors: dict[str, Any], command: str, date: str) -> Calibration:
@@ -311,10 +310,10 @@ def fit_anchors(anchors: dict[str, Any], command: str, date: str) -> Calibration
         sources[f"attention[{i}]"] = e["source"]
     fixed = bool(anchors.get("attention_without_fixed", False))
     if fixed:
-        a1, a2 = _lstsq([r[1:] for r in rows], values)
+        a1, a2 = _fit(("tokens", "squares"), [r[1:] for r in rows], values, "attention")
         a0 = 0.0
     else:
-        a0, a1, a2 = _lstsq(rows, values)
+        a0, a1, a2 = _fit(("fixed", "tokens", "squares"), rows, values, "attention")
     # FFN: one GPU holding every expert, shared experts included in the figure
     rows, values = [], []
     k, e_all, shared = shapes.topk, shapes.experts, shapes.shared_experts
@@ -325,7 +324,7 @@ def fit_anchors(anchors: dict[str, Any], command: str, date: str) -> Calibration
         rows.append([touched, routed + tokens * shared])
         values.append(_number(e, "ms", f"anchors: ffn[{i}]") / 1e3)
         sources[f"ffn[{i}]"] = e["source"]
-    fe, fr = _lstsq(rows, values)
+    fe, fr = _fit(("experts", "rows"), rows, values, "ffn")
     # dispatch + combine per layer, measured with given shapes and wire format
     rows, values = [], []
     notify = _number(anchors.get("notify", {}), "us", "anchors: notify") / 1e6
@@ -348,7 +347,7 @@ def fit_anchors(anchors: dict[str, Any], command: str, date: str) -> Calibration
         rows.append([2.0, cm.dispatch_bytes(tokens) + cm.combine_bytes(tokens)])
         values.append(_number(e, "ms", f"anchors: dispatch_combine[{i}]") / 1e3)
         sources[f"dispatch_combine[{i}]"] = e["source"]
-    lat, inv_bw = _lstsq(rows, values)
+    lat, inv_bw = _fit(("latency", "bytes"), rows, values, "dispatch_combine")
     # The identity-FFN round trip includes one arrival each way: the simulator adds those.
     lat = max(0.0, lat - notify)
     # colocated all_gather (model dtype) + reduce_scatter (fp32) per layer, 2 ranks
@@ -360,7 +359,7 @@ def fit_anchors(anchors: dict[str, Any], command: str, date: str) -> Calibration
         rows.append([2.0, (world - 1) * tokens * hidden * (shapes.dtype_bytes + 4)])
         values.append(_number(e, "ms", f"anchors: collective[{i}]") / 1e3)
         sources[f"collective[{i}]"] = e["source"]
-    c_lat, c_inv = _lstsq(rows, values)
+    c_lat, c_inv = _fit(("latency", "bytes"), rows, values, "collective")
     internode = anchors.get("internode", {})
     barrier = anchors.get("barrier", {})
     for key in ("internode", "barrier", "gpus_per_node"):

@@ -386,6 +386,8 @@ def run_validate(args: argparse.Namespace) -> int:
     with _bar(pairs, "folds", args.no_progress) as advance:
         predictions = validation.leave_one_pair_out(runs, progress=advance, **fit)
     print(validation.table(predictions))
+    for line in validation.gaps(predictions):
+        print(line)
     print(validation.verdict(predictions, args.tolerance))
     if args.json is not None:
         rows = [dataclasses.asdict(p) for p in predictions]
@@ -513,6 +515,8 @@ def _describe(cal: Calibration) -> str:
             f"  fit: {cal.fit.get('runs')} runs, mean |log error| of makespan and TTFT p50 "
             f"{cal.fit.get('mean_abs_log_error_makespan_ttft_p50', float('nan')):.3f}"
         )
+        for name, why in cal.fit.get("not_determined", {}).items():
+            lines.append(f"  not determined, set to 0: {name}: {why}")
     return "\n".join(lines)
 
 

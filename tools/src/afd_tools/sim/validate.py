@@ -31,6 +31,8 @@ class Prediction:
     mode: str
     measured: dict[str, list[float]]
     predicted: dict[str, float]
+    not_determined: dict[str, str]
+    """Coefficients the fold's training runs could not determine (set to 0), and why."""
 
     def median(self, figure: str) -> float:
         return statistics.median(self.measured[figure])
@@ -48,11 +50,13 @@ def predict_held_out(
     if not held_out:
         raise SimError("no held-out runs to predict")
     out = []
-    for rp in replay(held_out, fit_runs(calibration_runs, **fit), MODES):
+    cal = fit_runs(calibration_runs, **fit)
+    gaps = dict(cal.fit.get("not_determined", {}))
+    for rp in replay(held_out, cal, MODES):
         result = summary(rp.sim)
         predicted = {"makespan_s": result.makespan_s, "ttft_p50": result.ttft_p50}
         measured = {f: [float(m[f]) for m in rp.measured] for f in FIGURES}
-        out.append(Prediction(rp.run.label, rp.mode, measured, predicted))
+        out.append(Prediction(rp.run.label, rp.mode, measured, predicted, gaps))
     return out
 
 
@@ -95,6 +99,16 @@ def table(predictions: Sequence[Prediction]) -> str:
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def gaps(predictions: Sequence[Prediction]) -> list[str]:
+    """One line per held-out configuration whose fold left coefficients undetermined."""
+    lines: dict[str, str] = {}
+    for p in predictions:
+        if p.not_determined and p.label not in lines:
+            named = "; ".join(f"{k}: {why}" for k, why in p.not_determined.items())
+            lines[p.label] = f"fold without {p.label}: set to 0, {named}"
+    return list(lines.values())
 
 
 def verdict(predictions: Sequence[Prediction], tolerance: float) -> str:
