@@ -38,10 +38,12 @@ def ffn_linear(
     layers: int,
     timeout: float = 30.0,
     die_after: int | None = None,
+    die_by: int = signal.SIGKILL,
     tolerate_garbage: bool = False,
     last_seq: int | None = None,
 ) -> dict[str, Any]:
-    """Serve work items with linear experts until every attention rank shuts down."""
+    """Serve work items with linear experts until every attention rank shuts down (or,
+    with ``die_after``, send itself ``die_by`` after that many items)."""
     start_sequence_at(transport, last_seq)
     ep = transport.ffn_endpoint(EndpointOptions(timeout=timeout))
     experts = experts_for(transport, seed, layers)
@@ -51,7 +53,7 @@ def ffn_linear(
     def compute(item: WorkItem) -> Any:
         nonlocal computed
         if die_after is not None and computed >= die_after:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), die_by)
         computed += 1
         return linear(item)
 

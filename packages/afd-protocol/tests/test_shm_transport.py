@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import afd_shm_workers as workers
 import pytest
 
 from afd_protocol import SEQ_LIMIT, Role, SlotLayout, Topology
-from afd_protocol.launch import LaunchError, RankSpec, launch
+from afd_protocol.launch import STOPPED_BY_SIGNAL, LaunchError, RankResult, RankSpec, launch
 from afd_protocol.shm import leftover_segments
 
 LAYERS = 4
@@ -189,6 +190,49 @@ def test_killed_ffn_rank_fails_its_peers_within_the_timeout_and_leaks_nothing() 
     for pid in pids.values():  # every process is gone
         assert not _child_of_this_process(pid)  # reaped (a reused pid belongs to someone else)
     assert set(leftover_segments()) <= before
+
+
+def test_a_rank_stopped_by_sigterm_is_named_as_such_and_first() -> None:
+    """Its handler unwinds it (the transport closes, the abort word is set) and it reports
+    the signal, not the SystemExit the handler raised; the launcher's message lists it
+    before the peers that only saw it go (PeerAborted)."""
+    window = layout(1, 2, experts=4, topk=2)
+    before = set(leftover_segments())
+    dying = {"seed": 0, "layers": 1, "die_after": 5, "die_by": signal.SIGTERM}
+    specs = [
+        RankSpec(Role.ATTENTION, 0, workers.attention_forever, {"timeout": 10.0}),
+        RankSpec(Role.FFN, 0, workers.ffn_linear, {"seed": 0, "layers": 1}),
+        RankSpec(Role.FFN, 1, workers.ffn_linear, dying),
+    ]
+    with pytest.raises(LaunchError) as caught:
+        launch(window, specs, timeout=60)
+    results = caught.value.results
+    assert results["ffn rank 1"].error == "stopped by SIGTERM"
+    assert results["ffn rank 1"].error_type == STOPPED_BY_SIGNAL
+    assert results["ffn rank 1"].traceback is None
+    assert results["attention rank 0"].error_type == "PeerAborted"
+    message = str(caught.value)
+    assert message.startswith("3 of 3 ranks failed: ffn rank 1: stopped by SIGTERM; "), message
+    assert "SystemExit" not in message
+    assert set(leftover_segments()) <= before
+
+
+def test_the_message_orders_cause_before_consequence() -> None:
+    def failed(name: str, error: str, kind: str | None) -> RankResult:
+        return RankResult(name, False, error=error, error_type=kind)
+
+    results = {
+        "attention rank 0": failed(
+            "attention rank 0", "PeerAborted: ffn rank 0 aborted", "PeerAborted"
+        ),
+        "attention rank 1": failed("attention rank 1", "did not stop within 10 s", None),
+        "ffn rank 0": failed("ffn rank 0", "ValueError: bad", "ValueError"),
+        "ffn rank 1": failed("ffn rank 1", "killed by SIGKILL", None),
+        "ffn rank 2": RankResult("ffn rank 2", True, value=1),
+    }
+    order = [part.split(":")[0] for part in str(LaunchError(results)).split(": ", 1)[1].split("; ")]
+    assert order == ["ffn rank 1", "ffn rank 0", "attention rank 0", "attention rank 1"]
+    assert str(LaunchError(results)).startswith("4 of 5 ranks failed: ")
 
 
 def _child_of_this_process(pid: int) -> bool:

@@ -101,12 +101,33 @@ class RankResult:
     pid: int | None = None
 
 
+STOPPED_BY_SIGNAL = "StoppedBySignal"
+"""``RankResult.error_type`` of a rank its SIGTERM handler stopped (:class:`StoppedBySignal`)."""
+CONSEQUENCES = frozenset({"PeerAborted", "PeerTimeout", "ConnectorShutdown"})
+"""Error types a rank raises because of another rank's failure (it aborted, died or went
+silent), as opposed to a failure of its own."""
+
+
+def _cause_first(result: RankResult) -> int:
+    """Sort key of a failed rank in :class:`LaunchError`'s message: a rank stopped or
+    killed by a signal first, then ranks that failed on their own, then those that only
+    saw a peer fail, then those that merely did not stop in time."""
+    if result.error_type == STOPPED_BY_SIGNAL or (result.error or "").startswith("killed by"):
+        return 0
+    if result.error_type in CONSEQUENCES:
+        return 2
+    if result.error_type is None and (result.error or "").startswith("did not "):
+        return 3
+    return 1
+
+
 class LaunchError(AFDError):
-    """At least one rank failed; ``results`` holds every rank's outcome by name."""
+    """At least one rank failed; ``results`` holds every rank's outcome by name. The
+    message names the cause first (:func:`_cause_first`)."""
 
     def __init__(self, results: dict[str, RankResult]) -> None:
         self.results = results
-        failed = [r for r in results.values() if not r.ok]
+        failed = sorted(self.failed(), key=_cause_first)
         lines = "; ".join(f"{r.name}: {r.error}{_raised_at(r.traceback)}" for r in failed)
         super().__init__(f"{len(failed)} of {len(results)} ranks failed: {lines}")
 
@@ -166,11 +187,24 @@ def cleanup_rendezvous(rendezvous: str | Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+class StoppedBySignal(SystemExit):
+    """Raised in a rank by its SIGTERM handler: it unwinds like ``SystemExit`` (exit status
+    ``128 + signal``) and is reported as ``stopped by SIGTERM``, not as an error of the
+    rank's own."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     """The first SIGTERM unwinds the rank (its finally blocks close the transport); a second
     one, or one during interpreter shutdown, just ends the process."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise SystemExit(128 + signum)
+    raise StoppedBySignal(signum)
 
 
 def _rank_main(
@@ -209,6 +243,8 @@ def _rank_main(
         # Pickled here with the standard pickler, so tensors travel by value: torch's
         # multiprocessing reducers would pass file descriptors that die with this process.
         _report(results, (spec.name, True, pickle.dumps(value), None, None, None, os.getpid()))
+    except StoppedBySignal as exc:  # where it stood is not the story: who sent it is
+        _report(results, (spec.name, False, None, str(exc), STOPPED_BY_SIGNAL, None, os.getpid()))
     except BaseException as exc:  # reported to the launcher, which decides
         message = f"{type(exc).__name__}: {exc}"
         report = (spec.name, False, None, message, type(exc).__name__, traceback.format_exc())
