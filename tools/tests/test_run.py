@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
-from afd_protocol.shm import leftover_segments
+from afd_protocol.shm import leftover_segments, segment_prefix
 from afd_tools.cli import main
 
 SMALL = [
@@ -225,8 +227,32 @@ def _session(sid: int) -> dict[int, str]:
 
 
 def _shm_entries() -> set[str]:
+    """This test run's afd segments (its namespace: a test run beside this one has its
+    own, so its segments are not counted here)."""
     shm = Path("/dev/shm")
-    return {p.name for p in shm.iterdir() if p.name.startswith(("afd-", "sem.mp-"))}
+    return {p.name for p in shm.iterdir() if p.name.startswith(segment_prefix())}
+
+
+def _semaphores_mapped(pids: Iterable[int]) -> dict[int, list[str]]:
+    """POSIX semaphores (``/dev/shm/sem.*``) that these processes have mapped: a process
+    using one maps it, so this attributes them to afd's processes exactly, whatever else
+    runs on the machine (a name in /dev/shm could be anyone's)."""
+    found: dict[int, list[str]] = {}
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue  # it exited
+        names = sorted(
+            {
+                line[line.index("/dev/shm/sem.") :]
+                for line in maps.splitlines()
+                if "/dev/shm/sem." in line
+            }
+        )
+        if names:
+            found[pid] = names
+    return found
 
 
 def _wait_for(condition, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
@@ -236,6 +262,14 @@ def _wait_for(condition, timeout: float, what: str) -> float:  # type: ignore[no
         assert time.monotonic() - start < timeout, f"{what} within {timeout:g} s"
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def _as_from_a_terminal() -> None:
+    """In the child before ``exec``: Ctrl-C's default action, as a shell gives a command
+    it starts in the foreground. A background job of a non-interactive shell (a CI step
+    started with ``&``) has SIGINT ignored, and an ignored signal stays ignored across
+    ``exec``, so without this the SIGINT tests would test the CI's shell."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class RunningRun:
@@ -266,6 +300,7 @@ class RunningRun:
             text=True,
             env=env,
             start_new_session=True,
+            preexec_fn=_as_from_a_terminal,
         )
         self.sid = self.process.pid
 
@@ -276,6 +311,9 @@ class RunningRun:
             return len(list(self.tmp.glob("afd-rendezvous-*/afd%2Fattached%2F*.kv"))) == 4
 
         _wait_for(attached, 120, "every rank attached")
+        # afd creates no semaphore (results, lockstep and progress go through pipes), so a
+        # crash can leave none behind: none of the run's processes has one mapped.
+        assert _semaphores_mapped(_session(self.sid)) == {}
 
     def assert_nothing_left(self, timeout: float = 10.0) -> float:
         took = _wait_for(lambda: not _session(self.sid), timeout, "every process of the run gone")
@@ -318,17 +356,31 @@ def test_no_rank_or_file_outlives_the_launcher(tmp_path: Path, how: str, mode: s
 
 
 @pytest.mark.timeout(180)
-def test_a_killed_ffn_rank_stops_the_run_naming_it_and_leaves_nothing_behind(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("victim", "sig", "said"),
+    [
+        ("afd-ffn1", signal.SIGKILL, "ffn rank 1: killed by SIGKILL"),
+        ("afd-ffn1", signal.SIGTERM, "ffn rank 1: stopped by SIGTERM"),
+        ("afd-attn0", signal.SIGTERM, "attention rank 0: stopped by SIGTERM"),
+    ],
+)
+def test_a_signalled_rank_stops_the_run_named_first_and_leaves_nothing_behind(
+    tmp_path: Path, victim: str, sig: signal.Signals, said: str
 ) -> None:
+    """The one-line error starts with the rank that got the signal (the cause), before its
+    peers' PeerAborted (the consequence); SIGTERM runs the rank's handler, which unwinds
+    it, so it is named as a signal and not as the SystemExit the handler raised."""
     run = RunningRun(tmp_path, "--mode", "async")
     try:
         run.wait_until_every_rank_attached()
-        victim = next(pid for pid, name in _session(run.sid).items() if name == "afd-ffn1")
-        os.kill(victim, signal.SIGKILL)
+        pid = next(pid for pid, name in _session(run.sid).items() if name == victim)
+        os.kill(pid, sig)
         _, err = run.process.communicate(timeout=60)
         assert run.process.returncode == 2
-        assert "ffn rank 1: killed by SIGKILL" in err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert re.match(rf"afd run: error: \d of 4 ranks failed: {said}(;|$)", lines[0]), err
+        assert "SystemExit" not in err
         assert "Traceback" not in err
         run.assert_nothing_left()
     finally:

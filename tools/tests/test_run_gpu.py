@@ -122,6 +122,7 @@ def test_ctrl_c_stops_every_rank_and_frees_every_gpu(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
     )
     try:
         deadline = time.monotonic() + 240

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import afd_shm_workers as workers
+import pytest
 
 from afd_protocol import DirectoryStore, Role, SlotLayout, TcpStore, Topology
 from afd_protocol.launch import RankSpec, launch
@@ -62,3 +63,30 @@ def test_the_tcp_store_listens_on_loopback_only() -> None:
     store.set("k", b"v")
     assert store.get("k") == b"v"
     assert _listening(port) == ["0100007F"]  # 127.0.0.1, and no IPv4/IPv6 wildcard
+
+
+def test_a_namespace_keeps_concurrent_runs_segments_apart(monkeypatch) -> None:
+    """Two test runs (or deployments) sharing /dev/shm each see only their own segments,
+    so one's leak check never counts the other's; a bad name is refused with what to use."""
+    from afd_protocol import AFDError
+    from afd_protocol.shm import NAMESPACE_ENV, leftover_segments, segment_prefix
+
+    monkeypatch.setenv(NAMESPACE_ENV, "runA")
+    a = SharedSegment.create(4096, tag="ns")
+    monkeypatch.setenv(NAMESPACE_ENV, "runB")
+    b = SharedSegment.create(4096, tag="ns")
+    try:
+        assert a.path.name.startswith("afd-runA-ns-")
+        assert segment_prefix() == "afd-runB-"
+        assert leftover_segments() == [b.path]
+        monkeypatch.setenv(NAMESPACE_ENV, "runA")
+        assert leftover_segments() == [a.path]
+        # a peer of either run still maps it: it is an afd segment
+        SharedSegment.attach(b.path, 4096).close()
+    finally:
+        a.close()
+        b.close()
+    assert leftover_segments() == []
+    monkeypatch.setenv(NAMESPACE_ENV, "no/slashes")
+    with pytest.raises(AFDError, match=r"AFD_SHM_NAMESPACE='no/slashes'.*letters, digits or"):
+        segment_prefix()

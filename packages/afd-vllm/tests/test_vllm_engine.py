@@ -12,6 +12,12 @@ What it proves, per checkpoint (DeepSeek-V2 routing and DeepSeek-V3 noaux_tc rou
   logprobs within 1e-3 (fp32);
 * Ctrl-C to the server ends every process in its group, the FFN rank sees both replicas
   announce shutdown and exits 0, and no shared memory is left behind.
+
+Both deployments and the reference engine (one process, both checkpoints in turn) start
+together at the beginning of the module: on two cores their start-ups -- imports, model
+loading, vLLM's compilation -- overlap instead of queueing (about 500 s one after the other).
+The deployments' afd segments carry their own namespace (``AFD_SHM_NAMESPACE``), so the
+leak check ignores the segments of test runs beside this one.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class Deployment:
     ffn: subprocess.Popen[bytes]
     server_log: Path
     ffn_log: Path
-    reference: list[dict[str, Any]]
+    reference_path: Path
     prompts: list[str]
 
     def tail(self) -> str:
@@ -84,27 +90,26 @@ class Deployment:
         raise AssertionError(f"the FFN rank did not report its counts\n{self.tail()}")
 
 
-def _start(preset: str, scratch: Path) -> Deployment:
-    model = write_tiny_model(scratch / "model", preset)
-    prompts = [support.prompt_text(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
-    env = support.loopback_env(scratch)
-    (scratch / "prompts.json").write_text(json.dumps(prompts))
-    subprocess.run(
-        [
-            sys.executable,
-            support.__file__,
-            "reference",
-            str(model),
-            str(scratch / "prompts.json"),
-            str(scratch / "reference.json"),
-        ],
-        env=env,
-        check=True,
-        timeout=STARTUP_TIMEOUT_S,
-        stdout=(scratch / "reference.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    reference = json.loads((scratch / "reference.json").read_text())
+def _as_from_a_terminal() -> None:
+    """In the child before ``exec``: Ctrl-C's default action, as a shell gives a command it
+    starts in the foreground (a background job of a non-interactive shell, such as a CI
+    step started with ``&``, has SIGINT ignored, and that survives ``exec``)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+PRESETS = {"deepseek-v2": "tiny", "deepseek-v3": "v3-mini"}
+SHM_NAMESPACE = "vllm_engine"
+
+
+def _env(scratch: Path) -> dict[str, str]:
+    return {**support.loopback_env(scratch), "AFD_SHM_NAMESPACE": SHM_NAMESPACE}
+
+
+def _start(scratch: Path, prompts: list[str]) -> Deployment:
+    """The FFN role and the attention-role server on ``scratch/model``, started (not yet
+    healthy)."""
+    model = scratch / "model"
+    env = _env(scratch)
     extra = {"rendezvous_dir": str(scratch / "rendezvous"), "connect_timeout_s": 600}
     afd = {
         "connector": "HostAsyncAFDConnector",
@@ -139,8 +144,28 @@ def _start(preset: str, scratch: Path) -> Deployment:
         stdout=server_log.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_as_from_a_terminal,
     )
-    return Deployment(port, server, ffn, server_log, ffn_log, reference, prompts)
+    return Deployment(port, server, ffn, server_log, ffn_log, scratch / "reference.json", prompts)
+
+
+@dataclass
+class Everything:
+    """Both deployments (by test id) and the reference process that serves them both."""
+
+    deployments: dict[str, Deployment]
+    reference: subprocess.Popen[bytes]
+    reference_log: Path
+
+    def reference_of(self, d: Deployment) -> list[dict[str, Any]]:
+        """Plain vLLM's outputs for ``d``'s prompts (waits for the reference process)."""
+        try:
+            code = self.reference.wait(timeout=STARTUP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no reference within {STARTUP_TIMEOUT_S} s") from None
+        tail = "\n".join(self.reference_log.read_text(errors="replace").splitlines()[-40:])
+        assert code == 0, f"the reference run exited with {code}\n{tail}"
+        return json.loads(d.reference_path.read_text())
 
 
 def _wait_healthy(deployment: Deployment) -> None:
@@ -182,21 +207,54 @@ def _kill_all(deployment: Deployment) -> None:
         process.wait(timeout=30)
 
 
-@pytest.fixture(params=["tiny", "v3-mini"], ids=["deepseek-v2", "deepseek-v3"])
-def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deployment]:
-    shm_before = set(os.listdir("/dev/shm"))
-    started = _start(request.param, tmp_path)
+def _own_shm() -> set[str]:
+    """What is in /dev/shm, less other test runs' afd segments (another namespace)."""
+    own = f"afd-{SHM_NAMESPACE}-"
+    return {n for n in os.listdir("/dev/shm") if not n.startswith("afd-") or n.startswith(own)}
+
+
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Everything]:
+    shm_before = _own_shm()
+    scratch = {name: tmp_path_factory.mktemp(name) for name in PRESETS}
+    prompts = [support.prompt_text(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
+    reference_args = []
+    for name, preset in PRESETS.items():
+        write_tiny_model(scratch[name] / "model", preset)
+        (scratch[name] / "prompts.json").write_text(json.dumps(prompts))
+        reference_args += [
+            str(scratch[name] / "model"),
+            str(scratch[name] / "prompts.json"),
+            str(scratch[name] / "reference.json"),
+        ]
+    reference_log = tmp_path_factory.mktemp("reference") / "reference.log"
+    reference = subprocess.Popen(
+        [sys.executable, support.__file__, "reference", *reference_args],
+        env=_env(reference_log.parent),
+        stdout=reference_log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    started: dict[str, Deployment] = {}
     try:
-        _wait_healthy(started)
-        yield started
+        for name in PRESETS:
+            started[name] = _start(scratch[name], prompts)
+        for d in started.values():
+            _wait_healthy(d)
+        yield Everything(started, reference, reference_log)
     finally:
-        _kill_all(started)  # after the test's own clean shutdown this finds nothing
-    leaked = sorted(set(os.listdir("/dev/shm")) - shm_before)
+        for d in started.values():
+            _kill_all(d)  # after the tests' own clean shutdown this finds nothing
+        if reference.poll() is None:
+            os.killpg(reference.pid, signal.SIGKILL)
+        reference.wait(timeout=30)
+    leaked = sorted(_own_shm() - shm_before)
     assert not leaked, f"shared memory left behind: {leaked}"
 
 
-def test_dp2_attention_role_serves_like_plain_vllm(deployment: Deployment) -> None:
-    d = deployment
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_dp2_attention_role_serves_like_plain_vllm(everything: Everything, name: str) -> None:
+    d = everything.deployments[name]
     warm = d.counts()
     assert len(warm) == 2
 
@@ -217,7 +275,7 @@ def test_dp2_attention_role_serves_like_plain_vllm(deployment: Deployment) -> No
             for i, prompt in enumerate(d.prompts)
         ]
         results = [f.result() for f in futures]
-    for i, (got, want) in enumerate(zip(results, d.reference, strict=True)):
+    for i, (got, want) in enumerate(zip(results, everything.reference_of(d), strict=True)):
         assert got["token_ids"] == want["token_ids"], f"prompt {i} ({PROMPT_LENGTHS[i]} tokens)"
         worst = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
         assert worst <= LOGPROB_TOLERANCE, f"prompt {i}: logprobs differ by {worst:.2e}"

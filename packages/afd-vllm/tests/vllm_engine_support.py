@@ -3,7 +3,7 @@ vLLM, no afd) as a subprocess, and a small OpenAI-API client (their checkpoints 
 :func:`afd_vllm.tiny_model.write_tiny_model`). Runs inside the vLLM venv only
 (``make vllm-engine``).
 
-    python vllm_engine_support.py reference MODEL_DIR PROMPTS_JSON OUT_JSON
+    python vllm_engine_support.py reference MODEL_DIR PROMPTS_JSON OUT_JSON [MODEL_DIR ...]
 """
 
 from __future__ import annotations
@@ -54,7 +54,11 @@ def free_port() -> int:
 
 
 def reference(model: str, prompts: list[str], out: str) -> None:
-    """Greedy tokens and their logprobs from plain vLLM (fp32, compiled, no afd)."""
+    """Greedy tokens and their logprobs from plain vLLM (fp32, eager, no afd): what the
+    afd deployment must reproduce. Eager because only its outputs matter here and its
+    compilation would cost a minute per model on two cores; the afd side runs compiled."""
+    import gc
+
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -63,6 +67,7 @@ def reference(model: str, prompts: list[str], out: str) -> None:
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=BATCHED_TOKENS,
         attention_backend="CPU_MLA",
+        enforce_eager=True,
         seed=0,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
@@ -79,6 +84,12 @@ def reference(model: str, prompts: list[str], out: str) -> None:
             }
         )
     Path(out).write_text(json.dumps(result))
+    # The next model's engine starts in this process: end this one's engine core first.
+    shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+    del llm
+    gc.collect()
 
 
 def complete(port: int, prompt: str, replica: int | None, timeout: float = 120.0) -> dict[str, Any]:
@@ -119,7 +130,9 @@ def healthy(port: int) -> bool:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "reference":
-        reference(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()), sys.argv[4])
+    if sys.argv[1] == "reference" and len(sys.argv) >= 5 and (len(sys.argv) - 2) % 3 == 0:
+        for i in range(2, len(sys.argv), 3):  # one vLLM import for every model
+            model, prompts, out = sys.argv[i : i + 3]
+            reference(model, json.loads(Path(prompts).read_text()), out)
     else:
         raise SystemExit(f"unknown command {sys.argv[1]!r}")

@@ -2,7 +2,18 @@
 machine (the embedded default on CPU, and the reference the other transports are checked
 against)."""
 
-from afd_protocol.shm.segments import leftover_segments, remove_segments
+from afd_protocol.shm.segments import (
+    NAMESPACE_ENV,
+    leftover_segments,
+    remove_segments,
+    segment_prefix,
+)
 from afd_protocol.shm.transport import ShmTransport
 
-__all__ = ["ShmTransport", "leftover_segments", "remove_segments"]
+__all__ = [
+    "NAMESPACE_ENV",
+    "ShmTransport",
+    "leftover_segments",
+    "remove_segments",
+    "segment_prefix",
+]

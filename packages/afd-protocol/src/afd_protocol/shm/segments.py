@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import secrets
 import stat
 import sys
@@ -29,6 +30,24 @@ from afd_protocol.core.rendezvous import Rendezvous
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "afd-"
+"""Every afd segment's name starts with this (the only names afd maps or removes)."""
+NAMESPACE_ENV = "AFD_SHM_NAMESPACE"
+_NAMESPACE = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+def segment_prefix() -> str:
+    """The prefix of the segments this process creates and :func:`leftover_segments` lists:
+    ``afd-``, or ``afd-NAME-`` when ``AFD_SHM_NAMESPACE=NAME`` is set (inherited by every
+    rank a launcher starts), so that deployments or test runs sharing ``/dev/shm`` can
+    tell their segments apart -- a leak check of one then never sees another's."""
+    name = os.environ.get(NAMESPACE_ENV, "")
+    if not name:
+        return PREFIX
+    if not _NAMESPACE.fullmatch(name):
+        raise AFDError(
+            f"{NAMESPACE_ENV}={name!r}: use 1 to 32 letters, digits or underscores, or unset it"
+        )
+    return f"{PREFIX}{name}-"
 
 
 def check_platform() -> None:
@@ -55,7 +74,7 @@ class SharedSegment:
 
     @classmethod
     def create(cls, size: int, tag: str) -> SharedSegment:
-        path = SHM_DIR / f"{PREFIX}{tag}-{secrets.token_hex(8)}"
+        path = SHM_DIR / f"{segment_prefix()}{tag}-{secrets.token_hex(8)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -113,8 +132,9 @@ def remove_segments(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def leftover_segments() -> list[Path]:
-    """afd segments currently present in /dev/shm (for tests and diagnostics)."""
-    return sorted(SHM_DIR.glob(f"{PREFIX}*")) if SHM_DIR.is_dir() else []
+    """This namespace's afd segments currently in /dev/shm (:func:`segment_prefix`; for
+    tests and diagnostics)."""
+    return sorted(SHM_DIR.glob(f"{segment_prefix()}*")) if SHM_DIR.is_dir() else []
 
 
 def share_segments(
