@@ -44,11 +44,11 @@ demo: $(STAMP)
 	$(VENV)/bin/afd run --device cpu
 
 # The tests run once, in the standalone check's clean venvs (every package's wheel alone,
-# two packages at a time); meanwhile .venv-vllm is built, then the vLLM engine tests run
-# on their own (they watch all of /dev/shm). Step times: docs/testing.md.
+# two packages at a time), beside the vLLM lane (.venv-vllm, then the engine tests). Test
+# runs side by side keep apart: each has its own shared-memory namespace
+# (AFD_SHM_NAMESPACE) and the leak checks count only their own. Step times: docs/testing.md.
 test: checks
-	@$(MAKE) --no-print-directory -j2 standalone $(VLLM_STAMP)
-	@$(MAKE) --no-print-directory vllm-engine
+	@$(MAKE) --no-print-directory -j2 standalone vllm-engine
 
 checks: lint typecheck layers
 
