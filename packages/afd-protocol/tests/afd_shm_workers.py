@@ -142,3 +142,8 @@ def report_rendezvous_mode(connection: Any) -> int:
     child named afd-rendezvous-*)."""
     (folder,) = Path(tempfile.gettempdir()).glob("afd-rendezvous-*")
     return stat.S_IMODE(folder.stat().st_mode)
+
+
+def report_environment(connection: Any, names: list[str]) -> dict[str, str | None]:
+    """Rank program: these environment variables as the rank process sees them."""
+    return {name: os.environ.get(name) for name in names}

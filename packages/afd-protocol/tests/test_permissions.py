@@ -90,3 +90,19 @@ def test_a_namespace_keeps_concurrent_runs_segments_apart(monkeypatch) -> None:
     monkeypatch.setenv(NAMESPACE_ENV, "no/slashes")
     with pytest.raises(AFDError, match=r"AFD_SHM_NAMESPACE='no/slashes'.*letters, digits or"):
         segment_prefix()
+
+
+def test_each_rank_gets_its_own_environment() -> None:
+    """RankSpec.env reaches that rank's process only (how an MPS share is given per rank)."""
+    window = SlotLayout(Topology(1, 1, 4), 8, 8, 2).window()
+    names = ["AFD_TEST_SHARE", "AFD_TEST_ONLY_FFN"]
+    specs = [
+        RankSpec(Role.ATTENTION, 0, workers.report_environment, {"names": names},
+                 env={"AFD_TEST_SHARE": "60"}),
+        RankSpec(Role.FFN, 0, workers.report_environment, {"names": names},
+                 env={"AFD_TEST_SHARE": "40", "AFD_TEST_ONLY_FFN": "yes"}),
+    ]  # fmt: skip
+    results = launch(window, specs, timeout=120)
+    assert results["attention rank 0"].value == {"AFD_TEST_SHARE": "60", "AFD_TEST_ONLY_FFN": None}
+    assert results["ffn rank 0"].value == {"AFD_TEST_SHARE": "40", "AFD_TEST_ONLY_FFN": "yes"}
+    assert "AFD_TEST_SHARE" not in os.environ

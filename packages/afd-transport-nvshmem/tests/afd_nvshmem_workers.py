@@ -24,7 +24,7 @@ from afd_protocol import (
     serve,
 )
 from afd_protocol.testing import LinearExperts, random_routing
-from afd_protocol.window import WindowDispatch
+from afd_protocol.window import WindowDispatch, WindowOptions
 
 
 @contextlib.contextmanager
@@ -138,13 +138,15 @@ def attention_jobs(
     overflow_first: bool = False,
     record: bool = False,
     check_no_sync: bool = False,
+    device_pack: bool | None = None,
 ) -> dict[str, Any]:
     """Dispatch jobs (``in_flight`` at a time), check every output, then shut down.
 
-    With ``check_no_sync``, ``combine`` runs with CUDA's sync debug mode set to "error".
+    With ``check_no_sync``, ``combine`` runs with CUDA's sync debug mode set to "error";
+    ``device_pack`` is the endpoint option (None: the default).
     """
     slot = connection.layout
-    ep = connection.attention_endpoint(EndpointOptions(timeout=60.0))
+    ep = connection.attention_endpoint(WindowOptions(timeout=60.0, device_pack=device_pack))
     experts = _experts(connection, layers, seed)
     gen = torch.Generator().manual_seed(seed + 7)
     everyone = range(slot.topology.num_experts)

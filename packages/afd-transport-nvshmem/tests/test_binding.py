@@ -22,7 +22,7 @@ from afd_transport_nvshmem import (
     find_host_library,
 )
 from afd_transport_nvshmem.binding import InitAttr, UniqueId, version_word
-from afd_transport_nvshmem.transport import check_one_rank_per_gpu
+from afd_transport_nvshmem.mps import check_gpu_sharing
 
 
 def library_or_skip() -> NvshmemLibrary:
@@ -117,11 +117,20 @@ def test_package_metadata() -> None:
     assert resources.files(afd_transport_nvshmem).joinpath("py.typed").is_file()
 
 
-def test_two_ranks_on_one_gpu_are_refused_naming_them() -> None:
-    topology = Topology(1, 2, 8)
-    check_one_rank_per_gpu({0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}, topology, 3)  # one each: fine
+def test_a_shared_gpu_needs_every_rank_on_it_under_mps_within_100_percent() -> None:
+    name = Topology(1, 2, 8).rank_name
+    one_each = {0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}
+    check_gpu_sharing(one_each, dict.fromkeys(one_each), name)  # no MPS needed
+    shared = {0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}
+    check_gpu_sharing(shared, {0: 50, 1: None, 2: 50}, name)  # full MPG: 100 %
     with pytest.raises(TopologyError) as caught:
-        check_one_rank_per_gpu({0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}, topology, 2)
+        check_gpu_sharing(shared, {0: 50, 1: 50, 2: None}, name)
     message = str(caught.value)
-    assert "attention rank 0 and ffn rank 1 would share a GPU" in message
-    assert "3 ranks, 2 GPUs visible" in message
+    assert message.startswith(
+        "attention rank 0 and ffn rank 1 would share a GPU, but ffn rank 1 is not a CUDA MPS client"
+    )
+    assert "nvidia-cuda-mps-control -d" in message  # how to start it
+    with pytest.raises(
+        TopologyError, match=r"adding up to 110 % \(attention rank 0 60 %, ffn rank 1 50 %\)"
+    ):
+        check_gpu_sharing(shared, {0: 60, 1: None, 2: 50}, name)

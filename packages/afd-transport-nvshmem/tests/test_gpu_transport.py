@@ -1,8 +1,12 @@
-"""Two processes on two GPUs over NVSHMEM: the endpoint matrix, faults, and equivalence with
-the shared-memory transport. Skipped without two GPUs and the NVSHMEM library."""
+"""Processes over NVSHMEM: the endpoint matrix, faults, and equivalence with the
+shared-memory transport. One GPU per rank where there are enough GPUs; otherwise the ranks
+share a GPU as clients of a private CUDA MPS daemon (``gpu_placement`` in conftest.py), which
+runs the same code paths (rows then move through HBM, not NVLink). Skipped without a GPU
+and the NVSHMEM library."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import afd_nvshmem_workers as workers
@@ -15,13 +19,19 @@ from afd_transport_nvshmem import NvshmemUnavailable, find_host_library
 
 
 def _gpu_ready() -> str | None:
-    if torch.cuda.device_count() < 2:
-        return "needs two CUDA GPUs"
+    if torch.cuda.device_count() < 1:
+        return "needs a CUDA GPU"
     try:
         find_host_library()
     except NvshmemUnavailable as exc:
         return str(exc)
     return None
+
+
+def _placed(specs: list[RankSpec], placement) -> list[RankSpec]:  # type: ignore[no-untyped-def]
+    """``specs`` with each rank's environment for the GPUs there are."""
+    envs = placement(len(specs))
+    return [replace(spec, env={**spec.env, **env}) for spec, env in zip(specs, envs, strict=True)]
 
 
 pytestmark = [
@@ -50,7 +60,7 @@ def window(
 
 @pytest.mark.parametrize("wait", ["device", "host"])
 @pytest.mark.parametrize("shared", ["attention", "ffn"])
-def test_endpoint_matrix_on_two_gpus(wait: str, shared: str) -> None:
+def test_endpoint_matrix(wait: str, shared: str, gpu_placement) -> None:  # type: ignore[no-untyped-def]
     jobs = [
         {"layer": 0, "tokens": 256},
         {"layer": 3, "tokens": 7},  # uneven batches, layers out of order
@@ -85,7 +95,10 @@ def test_endpoint_matrix_on_two_gpus(wait: str, shared: str) -> None:
         ),
     ]
     results = launch(
-        window(ring_depth=2, shared=shared), specs, timeout=240, transport_factory=factory(wait)
+        window(ring_depth=2, shared=shared),
+        _placed(specs, gpu_placement),
+        timeout=240,
+        transport_factory=factory(wait),
     )
     attention = results["attention rank 0"].value
     ffn = results["ffn rank 0"].value
@@ -108,7 +121,7 @@ def test_endpoint_matrix_on_two_gpus(wait: str, shared: str) -> None:
         assert ffn["header_reads"]["copied"] >= ffn["served"] + 1
 
 
-def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout() -> None:
+def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(gpu_placement) -> None:  # type: ignore[no-untyped-def]
     jobs = [{"layer": i % LAYERS, "tokens": 32} for i in range(200)]
     specs = [
         RankSpec(
@@ -117,14 +130,14 @@ def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout() -> None:
         RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 2, "die_after": 3}),
     ]
     with pytest.raises(LaunchError) as caught:
-        launch(window(), specs, timeout=240, transport_factory=factory())
+        launch(window(), _placed(specs, gpu_placement), timeout=240, transport_factory=factory())
     results = caught.value.results
     assert results["ffn rank 0"].error == "killed by SIGKILL"
     # Found dead by the liveness check, not by waiting out the 60 s timeout (a PeerTimeout).
     assert results["attention rank 0"].error_type == "PeerAborted"
 
 
-def test_shm_and_nvshmem_transports_agree() -> None:
+def test_shm_and_nvshmem_transports_agree(gpu_placement) -> None:  # type: ignore[no-untyped-def]
     jobs = [{"layer": i % LAYERS, "tokens": t} for i, t in enumerate([200, 3, 77, 128])]
     spec_kwargs = {"layers": LAYERS, "seed": 5, "jobs": jobs, "record": True}
     outcomes = {}
@@ -133,7 +146,8 @@ def test_shm_and_nvshmem_transports_agree() -> None:
             RankSpec(Role.ATTENTION, 0, workers.attention_jobs, spec_kwargs),
             RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 5}),
         ]
-        outcomes[name] = launch(window(), specs, timeout=240, transport_factory=make)[
+        placed = _placed(specs, gpu_placement)
+        outcomes[name] = launch(window(), placed, timeout=240, transport_factory=make)[
             "attention rank 0"
         ].value
     host, gpu = outcomes["shm"], outcomes["nvshmem"]
@@ -143,25 +157,36 @@ def test_shm_and_nvshmem_transports_agree() -> None:
         assert rel <= 2e-2
 
 
-def test_two_ranks_on_one_gpu_are_refused_at_start_up() -> None:
-    """Three ranks on two GPUs: every rank refuses at start-up, naming the pair, instead of
-    hanging inside NVSHMEM (which two PEs on one GPU did on this host without CUDA MPS)."""
+def test_ranks_sharing_a_gpu_without_mps_are_refused_at_start_up() -> None:
+    """More ranks than GPUs and no MPS: every rank refuses at start-up, naming the ranks and
+    saying how to start MPS, instead of aborting or hanging inside NVSHMEM (limited MPG)."""
+    gpus = torch.cuda.device_count()
     specs = [
         RankSpec(Role.ATTENTION, 0, workers.attention_jobs, {"layers": 1, "seed": 0, "jobs": []}),
-        RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": 1, "seed": 0}),
-        RankSpec(Role.FFN, 1, workers.ffn_grouped, {"layers": 1, "seed": 0}),
+        *(
+            RankSpec(Role.FFN, f, workers.ffn_grouped, {"layers": 1, "seed": 0})
+            for f in range(gpus)
+        ),
     ]
+    no_mps = {"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent/afd-no-mps"}
+    specs = [replace(spec, env=no_mps) for spec in specs]
     with pytest.raises(LaunchError) as caught:
-        launch(window(num_ffn_ranks=2), specs, timeout=90, transport_factory=factory())
+        launch(window(num_ffn_ranks=gpus), specs, timeout=90, transport_factory=factory())
+    last = f"ffn rank {gpus - 1}"
     for result in caught.value.results.values():
         assert result.error_type == "TopologyError", result.error
-        assert "attention rank 0 and ffn rank 1 would share a GPU" in (result.error or "")
+        assert f"attention rank 0 and {last} would share a GPU" in (result.error or "")
+        assert "not CUDA MPS clients" in (result.error or "")
+        assert "nvidia-cuda-mps-control -d" in (result.error or "")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs three GPUs (one per rank)")
-def test_ffn_rank_that_receives_nothing_is_not_waited_on() -> None:
-    """1 attention x 2 FFN ranks, one GPU each. Jobs routed only to experts 0-3 (FFN rank 0)
-    must not wait for FFN rank 1, which then serves only the jobs that reach its experts."""
+@pytest.mark.parametrize("device_pack", [False, None])
+def test_ffn_rank_that_receives_nothing_is_not_waited_on(gpu_placement, device_pack) -> None:  # type: ignore[no-untyped-def]
+    """1 attention x 2 FFN ranks. With the dispatch planned on the host, jobs routed only to
+    experts 0-3 (FFN rank 0) do not wait for FFN rank 1, which then serves only the job
+    that reaches its experts. The device pack (the default) never reads the counts on the
+    host, so it sends every FFN rank its (possibly empty) part and waits for every reply:
+    the outputs are the same."""
     only_first = [0, 1, 2, 3]
     jobs = [
         {"layer": 0, "tokens": 64, "experts": only_first},
@@ -169,20 +194,30 @@ def test_ffn_rank_that_receives_nothing_is_not_waited_on() -> None:
         {"layer": 2, "tokens": 128},
         {"layer": 3, "tokens": 5, "experts": only_first},
     ]
+    attention_kwargs = {
+        "layers": LAYERS,
+        "seed": 3,
+        "jobs": jobs,
+        "record": True,
+        "device_pack": device_pack,
+    }
     specs = [
-        RankSpec(
-            Role.ATTENTION,
-            0,
-            workers.attention_jobs,
-            {"layers": LAYERS, "seed": 3, "jobs": jobs, "record": True},
-        ),
+        RankSpec(Role.ATTENTION, 0, workers.attention_jobs, attention_kwargs),
         RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 3}),
         RankSpec(Role.FFN, 1, workers.ffn_grouped, {"layers": LAYERS, "seed": 3}),
     ]
-    results = launch(window(num_ffn_ranks=2), specs, timeout=90, transport_factory=factory())
+    results = launch(
+        window(num_ffn_ranks=2),
+        _placed(specs, gpu_placement),
+        timeout=90,
+        transport_factory=factory(),
+    )
     attention = results["attention rank 0"].value
     assert max(attention["errors"]) <= 2e-2, attention["errors"]
     waited_on = [expected for expected, _, _ in attention["plans"]]
-    assert waited_on == [[0], [0], [0, 1], [0]]
     assert results["ffn rank 0"].value["served"] == 4
-    assert results["ffn rank 1"].value["served"] == 1
+    if device_pack is False:
+        assert waited_on == [[0], [0], [0, 1], [0]]
+        assert results["ffn rank 1"].value["served"] == 1
+    else:
+        assert waited_on == [[0, 1]] * 4

@@ -152,7 +152,10 @@ def test_a_clean_close_waits_for_everyone_then_tears_down_once() -> None:
     t.close()
     t.close()  # idempotent
     assert fakes["rdv"].barriers == [("close", (1, 2))]  # every other world rank
-    assert fakes["lib"].calls == [("barrier_all",), ("free", 0x1000), ("finalize",)]
+    # nvshmem_free and finalisation after the rendezvous's close barrier; no
+    # nvshmem_barrier_all (not supported when several PEs share a GPU without MPS, and
+    # the rendezvous's barrier ends when a peer dies)
+    assert fakes["lib"].calls == [("free", 0x1000), ("finalize",)]
     assert t._heap_address == 0
     t.abort()  # after close: nothing to tell, nothing raised
     assert fakes["rdv"].failed == []

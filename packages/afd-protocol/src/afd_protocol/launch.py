@@ -75,12 +75,15 @@ def shm_transport(
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What one rank runs: ``target(connection, **kwargs)`` (a module-level function)."""
+    """What one rank runs: ``target(connection, **kwargs)`` (a module-level function), with
+    ``env`` added to its process environment before anything else runs there (before CUDA
+    starts: e.g. a CUDA MPS client's pipe directory and SM share)."""
 
     role: Role
     rank: int
     target: Callable[..., Any]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -218,6 +221,7 @@ def _rank_main(
     launcher: tuple[int, int | None],
     control: multiprocessing.connection.Connection,
 ) -> None:
+    os.environ.update(spec.env)
     # Die with the launcher (SIGTERM from the kernel when it exits), and check it did not
     # exit before that was in place. SIGTERM unwinds through the finally blocks below, so
     # transports close; Ctrl-C reaches the whole process group, but the launcher decides.
@@ -316,7 +320,7 @@ def launch(
     readers: dict[multiprocessing.connection.Connection, str] = {}
     results: dict[str, RankResult] = {}
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             controls = []
             for spec in ranks:
                 reader, writer = ctx.Pipe(duplex=False)
@@ -410,9 +414,11 @@ def _collect(
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt while launching (main thread only), so a terminated
-    launcher cleans up exactly like an interrupted one."""
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside this block (main thread only; elsewhere it
+    changes nothing), so a terminated launcher cleans up exactly like an interrupted one.
+    :func:`launch` runs in one; a caller holding something that must not outlive it (a
+    helper daemon across several launches) opens another around them."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -39,13 +39,26 @@ the FFN endpoint's ``per_rank`` parts reduce with the Triton reduce kernel.
 
 Start-up and teardown
 ---------------------
-Through :class:`~afd_protocol.Rendezvous`: every rank publishes its geometry, pid and GPU,
-checks every other rank's (the geometry, and one GPU per rank), and waits at a ``ready``
-barrier before the collective NVSHMEM start-up, so a mismatch fails every rank at once
-instead of leaving peers inside NVSHMEM. ``nvshmem_free`` and finalisation are collective:
-they run only when every rank reached ``close()`` (a ``close`` barrier that ends when a
-peer fails or dies). After a failure a rank skips them rather than hang on a dead peer;
-the process exit reclaims the GPU memory.
+Through :class:`~afd_protocol.Rendezvous`: every rank publishes its geometry, pid, GPU and
+CUDA MPS share, checks every other rank's (the geometry; ranks sharing a GPU must all be
+MPS clients with shares adding up to at most 100: :func:`~afd_transport_nvshmem.mps.
+check_gpu_sharing`), and waits at a ``ready`` barrier before the collective NVSHMEM
+start-up, so a mismatch fails every rank at once instead of leaving peers inside NVSHMEM.
+The barriers after that (windows zeroed; everyone at ``close()``) are the rendezvous's,
+not ``nvshmem_barrier_all``: they end when a peer fails or dies, and several PEs on one
+GPU ("MPG") need no NVSHMEM call beyond those MPG supports. ``nvshmem_free`` and
+finalisation are collective: they run only when every rank reached ``close()``. After a
+failure a rank skips them rather than hang on a dead peer; the process exit reclaims the
+GPU memory.
+
+Several ranks per GPU
+---------------------
+One GPU per rank is the default and the production layout. Under CUDA MPS (every rank of
+a GPU a client of one MPS server, active-thread percentages adding up to at most 100)
+NVSHMEM runs in full MPG mode and so does this transport: ``nvshmem_ptr`` maps the other
+process's heap on the same GPU, and rows move through HBM instead of NVLink.
+:class:`~afd_transport_nvshmem.mps.MpsDaemon` starts and stops such a server; without MPS
+the transport refuses at start-up, saying how to start it.
 """
 
 from __future__ import annotations
@@ -66,7 +79,6 @@ from afd_protocol import (
     Rendezvous,
     Role,
     TcpStore,
-    Topology,
     TopologyError,
     WindowLayout,
     constant_index,
@@ -86,6 +98,7 @@ from afd_transport_nvshmem.cuda_memory import (
     stream_memops_available,
     stream_write_value32,
 )
+from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
 
 if TYPE_CHECKING:
     from afd_transport_nvshmem.device_wait import DeviceWaiter
@@ -95,26 +108,6 @@ _ABANDONED_WAITERS: list[DeviceWaiter] = []
 """Device waiters whose kernel may still write their pinned buffers (see ``_abandon``)."""
 POLL_SLICE = 20000
 """Device polls per wait slice; between slices the host checks liveness and the deadline."""
-
-
-def check_one_rank_per_gpu(gpus: Mapping[int, str], topology: Topology, visible: int) -> None:
-    """Refuse two ranks on one GPU (``gpus``: world rank -> GPU UUID) before NVSHMEM starts.
-
-    Without CUDA MPS, two NVSHMEM PEs on one GPU hung at start-up on our test host rather
-    than fail, so this is checked by every rank from the same data, and all of them raise.
-    """
-    by_gpu: dict[str, list[int]] = {}
-    for world, gpu in sorted(gpus.items()):
-        by_gpu.setdefault(gpu, []).append(world)
-    shared = [ranks for ranks in by_gpu.values() if len(ranks) > 1]
-    if not shared:
-        return
-    names = ", ".join(" and ".join(topology.rank_name(w) for w in ranks) for ranks in shared)
-    raise TopologyError(
-        f"the NVSHMEM transport needs one GPU per rank, but {names} would share a GPU "
-        f"({topology.world_size} ranks, {visible} GPUs visible to this process); use fewer "
-        f"ranks, more GPUs, or pass device= so that every rank gets its own"
-    )
 
 
 @dataclass(frozen=True)
@@ -196,13 +189,19 @@ class NvshmemTransport(WindowTransport):
         # Agree on the geometry and the GPUs with *every* rank before any collective call,
         # so that a mismatch fails every rank at once instead of leaving peers in NVSHMEM.
         gpu = str(torch.cuda.get_device_properties(self._device).uuid)
-        records = rdv.join(window.describe(), others, connect_timeout, gpu=gpu)
+        share = client_share()
+        self.mps_share = share
+        """This rank's CUDA MPS share in percent (None: not an MPS client)."""
+        records = rdv.join(window.describe(), others, connect_timeout, gpu=gpu, mps=share)
         try:
             gpus = {w: str(r.extra["gpu"]) for w, r in records.items()} | {world: gpu}
-            check_one_rank_per_gpu(gpus, topo, count)
+            shares = {w: r.extra.get("mps") for w, r in records.items()} | {world: share}
+            check_gpu_sharing(gpus, shares, topo.rank_name)
         except TopologyError as exc:
             rdv.fail(str(exc))
             raise
+        self.shares_gpu = len([g for g in gpus.values() if g == gpu]) > 1
+        """Another rank runs on this rank's GPU (MPG under MPS)."""
         rdv.barrier("ready", others, connect_timeout)
         bootstrap(self._lib, store, world, topo.world_size, "afd/nvshmem/uid")
 
@@ -210,7 +209,7 @@ class NvshmemTransport(WindowTransport):
         self._local = device_bytes(self._heap_address, window.total_bytes, self._device)
         self._local.zero_()
         torch.cuda.synchronize(self._device)
-        self._lib.barrier_all()  # every window is zeroed before anyone writes
+        rdv.barrier("zeroed", others, connect_timeout)  # every window is zeroed before writes
         self._peer_windows: list[torch.Tensor] = []
         for w in self._peer_world:
             address = self._lib.peer_address(self._heap_address, w)
@@ -421,7 +420,6 @@ class NvshmemTransport(WindowTransport):
         for name in ("_local", "_flags", "_aborts", "_peer_windows", "_peer_flags", "_peer_aborts"):
             self.__dict__.pop(name, None)
         self._waiter = None
-        self._lib.barrier_all()
         self._lib.free(self._heap_address)
         self._heap_address = 0
         self._lib.finalize()
