@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from afd_models.config import DeepseekConfig
+from afd_models.device_random import normal_
 from afd_models.errors import WeightsError
 from afd_models.params import ModelParams, ParamKind, ParamSpec, WeightSelection
 
@@ -77,9 +78,10 @@ class RandomWeights(WeightSource):
 
     Scales keep activations of order one through many layers: linear weights
     ``N(0, 1/fan_in)``, embeddings ``N(0, 1)``, norm weights near one, a small
-    correction bias. Values are drawn on ``device`` (default CPU, which gives the same
-    values everywhere; drawing on a GPU is faster for large presets and is identical
-    across ranks that draw on the same kind of device).
+    correction bias. Values are drawn on ``device``: the CPU (the default) gives the same
+    values everywhere; a GPU is faster for large presets and gives the same values in every
+    process on any GPU, whatever share of its SMs the process has
+    (:mod:`afd_models.device_random`: ``torch.randn`` on CUDA would not).
     """
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
@@ -88,8 +90,13 @@ class RandomWeights(WeightSource):
         self.device = torch.device(device)
 
     def _load(self, spec: ParamSpec) -> torch.Tensor:
-        gen = torch.Generator(device=self.device).manual_seed(name_seed(self.seed, spec.name))
-        values = torch.randn(spec.shape, generator=gen, device=self.device, dtype=torch.float32)
+        seed = name_seed(self.seed, spec.name)
+        if self.device.type == "cuda":
+            values = torch.empty(spec.shape, device=self.device, dtype=torch.float32)
+            normal_(values, seed)
+        else:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            values = torch.randn(spec.shape, generator=gen, device=self.device, dtype=torch.float32)
         if spec.kind is ParamKind.LINEAR:
             return values.mul_(spec.shape[-1] ** -0.5)
         if spec.kind is ParamKind.NORM:
