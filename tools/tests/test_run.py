@@ -12,11 +12,13 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from afd_protocol.shm import leftover_segments, segment_prefix
 from afd_tools.cli import main
+from afd_tools.run.verify import TIE_MARGIN
 
 SMALL = [
     "run",
@@ -45,6 +47,8 @@ def test_all_modes_verify_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert summary["tokens_per_s"] > 0
         assert 0 <= summary["ttft_p50"] <= summary["ttft_p99"]
     assert data["verification_failures"] == {}
+    for mode in ("async", "sync", "colocated"):  # float32: exact, so nothing to follow
+        assert data["verification_near_ties"][mode]["followed"] == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(leftover_segments()) <= before
 
@@ -69,6 +73,65 @@ def test_shared_experts_on_ffn_in_bf16_with_poisson_arrivals(
     assert "PASS" in capsys.readouterr().out
 
 
+def _strict_json(text: str) -> Any:
+    """``json.loads`` refusing NaN and Infinity, which Python's own reader accepts."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"invalid JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+ONE_PAIR = [*SMALL, "--attention-ranks", "1", "--ffn-ranks", "1", "--mode", "async"]
+"""One replica, one FFN rank, async only: the cheapest run that goes through the exchange."""
+
+
+def test_a_planted_wrong_expert_and_a_nan_fail_naming_request_mode_and_layer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica sends one token to a far-from-tied expert at the last layer (its final
+    state unchanged: only the routing check can see it) and returns a NaN for another
+    request: both fail, by name, and the JSON stays valid."""
+    import afd_run_plants
+
+    from afd_tools.run import ranks
+
+    monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.wrong_expert_and_nan_replica)
+    report = tmp_path / "run.json"
+    assert main([*ONE_PAIR, "--json", str(report)]) == 1
+    out = capsys.readouterr().out
+    fail = next(line for line in out.splitlines() if line.startswith("FAIL: "))
+    assert "async: request 0 (wrong expert at layer 2: token 0 went to experts " in fail
+    assert "request 1 (not finite: the run's output holds 1 NaN and 0 inf of 64 values)" in fail
+    data = _strict_json(report.read_text())
+    assert data["verification_failures"] == {"async": [0, 1]}
+    assert data["verification_errors"]["async"]["1"] is None
+    assert data["verification_reasons"]["async"]["1"].startswith("not finite: the run's output")
+
+
+def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica flips its k-th and (k+1)-th experts wherever its scores are within a
+    quarter of the bf16 tie margin: the reference follows it there, the run passes, and
+    the flips are counted."""
+    import afd_run_plants
+
+    from afd_tools.run import ranks
+
+    monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.near_tie_replica)
+    report = tmp_path / "run.json"
+    argv = [*ONE_PAIR, "--dtype", "bfloat16", "--requests", "16", "--json", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS: every request's final hidden state matches" in out
+    ties = _strict_json(report.read_text())["verification_near_ties"]["async"]
+    assert ties["followed"] >= 1, ties
+    assert ties["decisions"] >= ties["followed"]
+    assert f"async {ties['decisions']} ({ties['followed']} followed, largest gap " in out
+    assert 0 < ties["largest_followed_gap"] <= TIE_MARGIN["bfloat16"]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -82,6 +145,7 @@ def test_shared_experts_on_ffn_in_bf16_with_poisson_arrivals(
         (["--plot", "."], ". is a directory; give a file name to write to"),
         (["--transport", "nvshmem"], "--transport nvshmem needs --device cuda"),
         (["--stages", "0"], "--stages must be >= 1, got 0"),
+        (["--tie-margin", "nan"], "--tie-margin must be within [0, 1], got nan"),
         (
             ["--cam-dynamic-quant"],
             "--cam-dynamic-quant applies to --transport cam-emulator only",
@@ -116,7 +180,7 @@ def test_colocated_dp_ep_exchanges_tokens_between_all_processes_and_verifies(
     argv = [*SMALL, "--colocated", "dp-ep", "--stages", "2", "--json", str(report)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "colocated = DP4+EP over gloo" in out
+    assert "; colocated: DP4+EP over gloo" in out
     assert "PASS: every request's final hidden state matches" in out
     data = json.loads(report.read_text())
     assert data["verification_failures"] == {}

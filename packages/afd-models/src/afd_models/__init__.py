@@ -6,7 +6,8 @@
   :class:`SafetensorsWeights`, :func:`save_checkpoint`, :class:`WeightSelection` (what
   each role materialises).
 * Layers: :class:`RMSNorm`, :class:`RotaryEmbedding` (YaRN), :class:`MLAttention`,
-  :class:`GatedMLP`, :class:`Router`, :class:`ExpertWeights`, :class:`MoELayer`.
+  :class:`GatedMLP`, :class:`Router` (with its :class:`Selection` for select hooks),
+  :class:`ExpertWeights`, :class:`MoELayer`.
 * Expert backends by name: ``reference``, ``grouped_mm``, and
   :func:`register_expert_backend` for more.
 * :class:`MonolithicModel` (the reference), :class:`AttentionRoleModel` and
@@ -45,7 +46,7 @@ from afd_models.params import (
 )
 from afd_models.presets import PRESET_NAMES, preset
 from afd_models.rotary import RotaryEmbedding
-from afd_models.router import Router, Routing
+from afd_models.router import LayerSelect, Router, Routing, Select, Selection
 from afd_models.scaling import BranchScales
 from afd_models.weights import (
     RandomWeights,
@@ -76,6 +77,7 @@ __all__ = [
     "GroupedMMBackend",
     "GroupedRows",
     "KVCache",
+    "LayerSelect",
     "MLAttention",
     "MoELayer",
     "ModelParams",
@@ -95,6 +97,8 @@ __all__ = [
     "Routing",
     "SafetensorsWeights",
     "Segment",
+    "Select",
+    "Selection",
     "Stage",
     "WeightSelection",
     "WeightSource",

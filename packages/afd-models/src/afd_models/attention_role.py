@@ -15,6 +15,7 @@ schedule of :mod:`afd_models.schedule`: stage ``i+1``'s attention is issued whil
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from afd_models.config import DeepseekConfig
 from afd_models.errors import ConfigError
 from afd_models.output import PrefillOutput
 from afd_models.params import shared_placement_of
+from afd_models.router import LayerSelect
 from afd_models.schedule import run_prefill
 from afd_models.trunk import Trunk
 from afd_models.weights import WeightSource
@@ -81,12 +83,15 @@ class AttentionRoleModel:
         num_stages: int = 1,
         compute_logits: bool = True,
         cache: KVCache | None = None,
+        select: LayerSelect | None = None,
     ) -> PrefillOutput:
         """Prefill ``prompts`` with the routed experts served through ``endpoint``.
 
         Entries may be chunks of longer prompts (:class:`~afd_models.batch.PromptChunk`), with a
         ``cache`` the caller keeps between calls (chunked prefill: the earlier chunks'
-        compressed MLA keys stay on this rank)."""
+        compressed MLA keys stay on this rank). ``select`` sees every MoE layer's routing
+        (each stage's rows) and may replace its top-k
+        (:data:`~afd_models.router.LayerSelect`): what it returns is what is dispatched."""
         if endpoint.dtype != self.dtype:
             raise ConfigError(
                 f"the window carries {endpoint.dtype} but this model runs in {self.dtype}; "
@@ -100,7 +105,7 @@ class AttentionRoleModel:
             )
         batch = PromptBatch.from_prompts(prompts, self.device)
         self.stats = AttentionRunStats()
-        remote = _RemoteMoE(self, endpoint)
+        remote = _RemoteMoE(self, endpoint, select)
         with torch.inference_mode():
             out = run_prefill(
                 self.trunk,
@@ -123,13 +128,23 @@ class AttentionRoleModel:
 class _RemoteMoE:
     """MoE execution through an endpoint: ``begin`` dispatches, ``end`` combines."""
 
-    def __init__(self, model: AttentionRoleModel, endpoint: AttentionEndpoint) -> None:
+    def __init__(
+        self,
+        model: AttentionRoleModel,
+        endpoint: AttentionEndpoint,
+        select: LayerSelect | None = None,
+    ) -> None:
         self.model = model
         self.endpoint = endpoint
         self.routed_scale = model.trunk.scales.routed
+        self.select = select
 
     def begin(self, layer: int, stage: int, x: torch.Tensor) -> Any:
-        routing = self.model.trunk.router(layer)(x)
+        router = self.model.trunk.router(layer)
+        if self.select is None:
+            routing = router(x)
+        else:
+            routing = router(x, functools.partial(self.select, layer))
         weights = routing.topk_weights
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale

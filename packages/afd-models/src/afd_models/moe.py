@@ -14,7 +14,7 @@ from afd_models.backends import ExpertBackend
 from afd_models.config import DeepseekConfig
 from afd_models.experts import ExpertWeights, GroupedRows
 from afd_models.mlp import GatedMLP
-from afd_models.router import Router
+from afd_models.router import Router, Select
 from afd_models.scaling import BranchScales
 
 
@@ -74,9 +74,11 @@ class MoELayer:
         self.experts = experts
         self.backend = backend
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, select: Select | None = None) -> torch.Tensor:
+        """The MoE output ``[T, H]`` (``x.dtype``) of ``x [T, H]``; ``select`` is the
+        router's hook (:class:`~afd_models.router.Selection`)."""
         scales = BranchScales.for_dtype(self.config.routed_scaling_factor, x.dtype)
-        routing = self.router(x)
+        routing = self.router(x, select)
         weights = routing.topk_weights * scales.routed
         out = routed_experts(x, routing.topk_ids, weights, self.experts, self.backend)
         if self.shared is not None:

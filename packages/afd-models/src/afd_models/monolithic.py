@@ -7,6 +7,7 @@ expert, runs the expert backend and combines with the weights (see
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from afd_models.config import DeepseekConfig
 from afd_models.experts import ExpertWeights
 from afd_models.moe import MoELayer
 from afd_models.output import PrefillOutput
+from afd_models.router import LayerSelect
 from afd_models.schedule import run_prefill
 from afd_models.trunk import Trunk
 from afd_models.weights import WeightSource
@@ -63,17 +65,19 @@ class MonolithicModel:
         num_stages: int = 1,
         compute_logits: bool = True,
         cache: KVCache | None = None,
+        select: LayerSelect | None = None,
     ) -> PrefillOutput:
         """Prefill ``prompts``; ``num_stages > 1`` runs the token-level stage split
         (same results up to rounding; it exercises the chunked attention path). Entries may
         be chunks of longer prompts (:class:`~afd_models.batch.PromptChunk`), with a ``cache``
-        the caller keeps between calls (chunked prefill)."""
+        the caller keeps between calls (chunked prefill). ``select`` sees every MoE layer's
+        routing and may replace its top-k (:data:`~afd_models.router.LayerSelect`)."""
         batch = PromptBatch.from_prompts(prompts, self.device)
         with torch.inference_mode():
             return run_prefill(
                 self.trunk,
                 batch,
-                _LocalMoE(self.moe_layers),
+                _LocalMoE(self.moe_layers, select),
                 num_stages=num_stages,
                 compute_logits=compute_logits,
                 cache=cache,
@@ -92,11 +96,14 @@ class MonolithicModel:
 class _LocalMoE:
     """MoE execution in this process: ``begin`` computes, ``end`` hands it over."""
 
-    def __init__(self, layers: dict[int, MoELayer]) -> None:
+    def __init__(self, layers: dict[int, MoELayer], select: LayerSelect | None = None) -> None:
         self.layers = layers
+        self.select = select
 
     def begin(self, layer: int, stage: int, x: torch.Tensor) -> Any:
-        return self.layers[layer](x)
+        if self.select is None:
+            return self.layers[layer](x)
+        return self.layers[layer](x, functools.partial(self.select, layer))
 
     def end(self, handle: Any) -> torch.Tensor:
         out: torch.Tensor = handle

@@ -1,4 +1,11 @@
-"""``afd bench transport --backend nvshmem``: NVSHMEM windows between two GPUs.
+"""``afd bench transport --backend nvshmem``: NVSHMEM windows between two GPUs, or between
+two processes on one GPU.
+
+With one GPU the two ranks share it as clients of a private CUDA MPS daemon, 50 % of the
+SMs each (NVSHMEM's full multi-process-per-GPU mode): latencies, host costs, kernels and
+the per-layer fixed costs are measured as they are; row copies go through HBM instead of
+NVLink, so the floor is a copy within the GPU and the per-layer table adds the link term
+(the layer's bytes at the 394 GB/s a peer ``copy_`` reached between two H200s).
 
 Side by side in one run:
 
@@ -21,6 +28,7 @@ per-layer modes close one endpoint and open the next on the same transport.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -37,6 +45,9 @@ from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+NVLINK_GBS = 394.0
+"""One-sided ``copy_`` into a peer window between two H200s over NVLink (NV18), 256 MB,
+measured 2026-11-30: what a one-GPU run's per-layer bytes would cost on the link."""
 LAYER_TOKENS = [1024, 4096, 8192, 16384]
 HIDDEN, EXPERTS, TOPK = 2048, 64, 6
 
@@ -168,7 +179,8 @@ def _latency_and_bandwidth(t: WindowTransport, iterations: int, repeats: int) ->
         rows_at = window.field_offset(t.rank, 0, "routed_rows")
         peer = t.peer_window(0)
         other = torch.device("cuda", (t.device.index + 1) % torch.cuda.device_count())
-        p2p = _enable_peer_access(t.device, other)
+        one_gpu = other == t.device
+        p2p = not one_gpu and _enable_peer_access(t.device, other)
         bandwidth = {}
         for size in SIZES:
             if rows_at + size > peer.numel():
@@ -177,10 +189,15 @@ def _latency_and_bandwidth(t: WindowTransport, iterations: int, repeats: int) ->
             dst = peer[rows_at : rows_at + size]
             plain = torch.empty(size, dtype=torch.uint8, device=other)
             reps = max(3, min(5 * repeats, (4 << 30) // size))
-            point = {
-                "window": _timed(partial(dst.copy_, src), reps),
-                "torch_cross_device": _timed(partial(plain.copy_, src, non_blocking=True), reps),
-            }
+            point = {"window": _timed(partial(dst.copy_, src), reps)}
+            if one_gpu:
+                # The floor on one GPU: the same copy_ into ordinary memory of this GPU.
+                point["peer_copy"] = _timed(partial(plain.copy_, src), reps)
+                point["floor_checked"] = bool(torch.equal(plain[:4096].cpu(), src[:4096].cpu()))
+            else:
+                point["torch_cross_device"] = _timed(
+                    partial(plain.copy_, src, non_blocking=True), reps
+                )
             if p2p:
                 # The floor: the same copy_ into ordinary cudaMalloc memory of the other GPU,
                 # mapped peer to peer by CUDA itself -- no NVSHMEM involved.
@@ -359,6 +376,11 @@ LATENCY_LABELS = {
 of the arrival), or a raw device-side ping-pong with no host in the loop."""
 
 
+def _with(specs: list[RankSpec], env: dict[str, str]) -> list[RankSpec]:
+    """``specs`` with ``env`` in every rank's environment (the MPS client settings)."""
+    return [dataclasses.replace(spec, env={**spec.env, **env}) for spec in specs]
+
+
 def _factory(wait_variant: str) -> Any:
     from afd_transport_nvshmem.launch_support import nvshmem_transport
     from afd_transport_nvshmem.transport import NvshmemOptions
@@ -367,12 +389,29 @@ def _factory(wait_variant: str) -> Any:
 
 
 def run(args: Any) -> dict[str, Any]:
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("afd bench transport --backend nvshmem needs two CUDA GPUs")
+    """The benchmark (module docstring); one GPU: under a private MPS daemon, closed at the
+    end whatever happens."""
+    gpus = torch.cuda.device_count()
+    if gpus < 1:
+        raise SystemExit("afd bench transport --backend nvshmem needs a CUDA GPU")
+    if gpus >= 2:
+        return _run(args, {}, "two GPUs, one rank each")
+    from afd_protocol.launch import sigterm_as_interrupt
+    from afd_transport_nvshmem.mps import MpsDaemon, equal_shares
+
+    share = equal_shares(2)
+    with sigterm_as_interrupt(), MpsDaemon.start() as daemon:
+        placement = f"one GPU, both ranks as CUDA MPS clients at {share} % of the SMs each"
+        return _run(args, daemon.client_environment(share), placement)
+
+
+def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
+    one_gpu = bool(env)
     report: dict[str, Any] = {
         "backend": "nvshmem",
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
+        "placement": placement,
     }
     rows = max(SIZES) // (4096 * 2)
     big = SlotLayout(Topology(1, 1, 1), 4096, rows, 1, routed_cap_multiplier=1.0).window(
@@ -387,7 +426,7 @@ def run(args: Any) -> dict[str, Any]:
         )
         for role in Role
     ]
-    micro = launch(big, specs, timeout=600, transport_factory=_factory("device"))
+    micro = launch(big, _with(specs, env), timeout=600, transport_factory=_factory("device"))
     attention = micro["attention rank 0"].value
     latency = {k: v for k, v in attention.items() if k.endswith("_us")}
     tiny = SlotLayout(Topology(1, 1, 1), 64, 16, 1).window()
@@ -395,19 +434,29 @@ def run(args: Any) -> dict[str, Any]:
         specs = [
             RankSpec(role, 0, _wait_any_latency, {"iterations": args.iterations}) for role in Role
         ]
-        result = launch(tiny, specs, timeout=600, transport_factory=_factory(variant))
+        result = launch(tiny, _with(specs, env), timeout=600, transport_factory=_factory(variant))
         latency[f"wait_any_{variant}_us"] = result["attention rank 0"].value
     report["latency_us"] = {k: latency[k] for k in LATENCY_LABELS if k in latency}
     report["bandwidth"] = attention["bandwidth"]
     report["gather"] = attention["gather"]
-    print(f"NVSHMEM transport on {report['gpu']} x2, torch {report['torch']}")
+    print(f"NVSHMEM transport on {report['gpu']} ({placement}), torch {report['torch']}")
+    if one_gpu:
+        print(
+            "  one GPU: fixed costs, host time, kernels and waits as they are; row copies go "
+            "through HBM, not NVLink (the floor below is a copy within the GPU; the per-layer "
+            f"table adds the link term at {NVLINK_GBS:.0f} GB/s)"
+        )
     print("\narrival latency, one way (round trip / 2, median): what an endpoint sees through")
     print("wait_any (the host learns of the arrival), and raw device-side ping-pongs (no host):")
     for key, value in report["latency_us"].items():
         print(f"  {LATENCY_LABELS[key]:48s} {value:8.2f} us")
-    print("\none-sided copy_ into the NVSHMEM peer window, beside the floor: the same copy_ into")
-    print("cudaMalloc memory of the other GPU mapped peer to peer by CUDA (same run), and torch's")
-    print("cross-device copy_ (copy engine) for reference:")
+    if one_gpu:
+        print("\none-sided copy_ into the NVSHMEM peer window (the other process's heap on this")
+        print("GPU), beside the floor: the same copy_ into cudaMalloc memory of this GPU:")
+    else:
+        print("\none-sided copy_ into the NVSHMEM peer window, beside the floor: the same copy_")
+        print("into cudaMalloc memory of the other GPU mapped peer to peer by CUDA (same run),")
+        print("and torch's cross-device copy_ (copy engine) for reference:")
     print(
         f"  {'size':>8} {'window GB/s':>12} {'floor GB/s':>11} {'ratio':>6} "
         f"{'torch x-device GB/s':>20} check"
@@ -416,7 +465,7 @@ def run(args: Any) -> dict[str, Any]:
         n = int(size)
         ours = n / r["window"] / 1e9
         floor = n / r["peer_copy"] / 1e9 if "peer_copy" in r else float("nan")
-        cross = n / r["torch_cross_device"] / 1e9
+        cross = n / r["torch_cross_device"] / 1e9 if "torch_cross_device" in r else float("nan")
         ok = r["checked"] and r.get("floor_checked", True)
         print(
             f"  {human_bytes(n):>8} {ours:12.1f} {floor:11.1f} {ours / floor:6.2f} {cross:20.1f} "
@@ -459,7 +508,7 @@ def run(args: Any) -> dict[str, Any]:
             {"timing": True, "profile": None if profile is None else f"{profile}/ffn.txt"},
         ),
     ]
-    per_layer = launch(layer, specs, timeout=600, transport_factory=_factory("device"))
+    per_layer = launch(layer, _with(specs, env), timeout=600, transport_factory=_factory("device"))
     times = dict(per_layer["attention rank 0"].value)
     ffn = per_layer["ffn rank 0"].value
     specs = [
@@ -476,7 +525,7 @@ def run(args: Any) -> dict[str, Any]:
         ),
         RankSpec(Role.FFN, 0, serve_identity),
     ]
-    host_polls = launch(layer, specs, timeout=600, transport_factory=_factory("host"))
+    host_polls = launch(layer, _with(specs, env), timeout=600, transport_factory=_factory("host"))
     times.update(host_polls["attention rank 0"].value)
     report["ffn_reply"] = {
         "host_ms": {str(k): v for k, v in ffn.get("reply_host_ms", {}).items()},
@@ -497,21 +546,26 @@ def run(args: Any) -> dict[str, Any]:
         f"rounds interleaved); 'host' = host polls, copied headers, portable combine (a launch "
         f"of its own: host polls are a transport option). 'floor' = the rows there and back at "
         f"the same-run peer copy_ bandwidth ({floor_gbs:.0f} GB/s). 'p10-p90' = the spread of "
-        f"'device' over its rounds."
+        f"'device' over its rounds. 'link' = the same bytes at {NVLINK_GBS:.0f} GB/s (a peer "
+        f"copy_ between two H200s): what NVLink would add where this run copies through HBM."
     )
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
-        f"{'host':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11} {'p10-p90':>11}"
+        f"{'host':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11} {'p10-p90':>11} "
+        f"{'link':>6}"
     )
     for n in tokens:
-        floor = 2 * n * TOPK * HIDDEN * 2 / (floor_gbs * 1e9)
+        nbytes = 2 * n * TOPK * HIDDEN * 2
+        floor = nbytes / (floor_gbs * 1e9)
         report["layer"][f"floor/{n}"] = floor
+        report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
         ms = {m: times[f"{m}/{n}"] * 1e3 for m in [*LAYER_MODES, "host"]}
         spread = f"{times[f'device/{n}/p10'] * 1e3:.2f}-{times[f'device/{n}/p90'] * 1e3:.2f}"
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {floor * 1e3:7.2f} "
-            f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11}"
+            f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11} "
+            f"{nbytes / (NVLINK_GBS * 1e9) * 1e3:6.2f}"
         )
     print(
         "\nwhere the 'device' time goes (median ms): attention host time in dispatch() and in "

@@ -16,13 +16,19 @@ workloads:
 
 ``--quick`` sizes keep the GPU suite short; the full size is the default. The table is
 printed, written as JSON, and with ``--docs FILE`` replaces the block between the markers
-``<!-- afd bench prefill -->`` and ``<!-- /afd bench prefill -->`` in that file.
+``<!-- afd bench prefill -->`` and ``<!-- /afd bench prefill -->`` in that file. Under the
+table, a line per placement says where the ranks ran: on one GPU the ranks share it as
+clients of a CUDA MPS daemon that each afd run starts and stops, with the shares named, and
+the colocated baseline is the monolithic model on the whole GPU. afd run's options go
+through ``--run-arg``, one argument each, written with ``=``: ``--run-arg=--share-gpus
+--run-arg=--mps-ffn-share=60``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import subprocess
 import sys
@@ -83,7 +89,9 @@ def add_parser(kinds: Any) -> None:
         "--run-arg",
         action="append",
         default=[],
-        help="one more argument for every afd run (repeat: --run-arg=--device --run-arg=cpu)",
+        help="one more argument for every afd run, written with '=' (repeat: "
+        "--run-arg=--device --run-arg=cpu; one GPU: --run-arg=--share-gpus, and to choose "
+        "the CUDA MPS shares --run-arg=--mps-ffn-share=60 or --run-arg=--mps-attention-share=40)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload and weights")
     p.add_argument("--json", type=Path, default=None, help="write every run's report here")
@@ -217,7 +225,6 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             )
             continue
         modes = report["modes"]
-        bad = report["verification_failures"]
         for mode, m in modes.items():
             b = m.get("breakdown", {})
             split = " / ".join(
@@ -228,16 +235,50 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             ratio = "-"
             if mode != "async" and "async" in modes:
                 ratio = f"{modes['async']['tokens_per_s'] / m['tokens_per_s']:.2f}x"
-            worst = report.get("verification_worst", {}).get(mode, {}).get("relative_error")
-            verdict = "no" if mode in bad else "yes"
-            if worst is not None:
-                verdict += f" ({worst:.1e})"
+            verdict = _verified(report, mode)
             lines.append(
                 f"| {entry['preset']} | {entry['workload']} | {mode} | {m['tokens_per_s']:.0f} | "
                 f"{m['ttft_p50']:.3f} | {m['ttft_p99']:.3f} | {split} | {item} | {ratio} | "
                 f"{verdict} |"
             )
-    return "\n".join(lines)
+    notes = placement_notes(results)
+    return "\n".join([*lines, *([""] if notes else []), *notes])
+
+
+def placement_notes(results: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct placement of the runs: the device, how the ranks shared GPUs
+    (under CUDA MPS, with each rank's share) and the colocated baseline."""
+    notes: list[str] = []
+    for entry in results:
+        placement = (entry.get("report") or {}).get("placement", {})
+        if "colocated_label" not in placement:
+            continue
+        sharing = placement.get("sharing", "none")
+        where = placement["kind"] + ("" if sharing == "none" else f" ({sharing})")
+        note = f"Placement: {where}; {placement['colocated_label']}."
+        if note not in notes:
+            notes.append(note)
+    return notes
+
+
+def _verified(report: dict[str, Any], mode: str) -> str:
+    """The table's verdict for one mode: yes or no, the worst error, near ties followed.
+
+    A worst error that is missing (``null``: not finite) or not a finite number (a report
+    of an older afd, which wrote NaN) is a failure whatever the failures list says."""
+    worst = report.get("verification_worst", {}).get(mode, {})
+    error = worst.get("relative_error")
+    finite = isinstance(error, int | float) and math.isfinite(error)
+    failed = mode in report["verification_failures"] or (bool(worst) and not finite)
+    verdict = "no" if failed else "yes"
+    if finite:
+        verdict += f" ({error:.1e})"
+    elif worst:
+        verdict += " (not finite)"
+    followed = report.get("verification_near_ties", {}).get(mode, {}).get("followed", 0)
+    if followed:
+        verdict += f", {followed} near ties followed"
+    return verdict
 
 
 def _read(path: Path) -> str:

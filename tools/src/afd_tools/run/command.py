@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import multiprocessing as mp
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from afd_models import PRESET_NAMES, KVCache, MonolithicModel, PromptChunk, preset
+from afd_models import PRESET_NAMES, MonolithicModel, preset
 from afd_protocol import (
     AFDError,
     CombineReduce,
@@ -27,17 +28,19 @@ from afd_protocol import (
     SlotLayout,
     Topology,
     WindowLayout,
-    relative_error,
 )
 from afd_protocol.launch import RankSpec, TransportFactory, launch, shm_transport
 from afd_tools.run import ranks
-from afd_tools.run.devices import DEVICE_DEFAULTS, Placement, place, resolve_device
+from afd_tools.run.devices import COLOCATED, DEVICE_DEFAULTS, Placement, place, resolve_device
 from afd_tools.run.expert_parallel import expert_parallel_connection
 from afd_tools.run.lockstep import pipes as lockstep_pipes
 from afd_tools.run.metrics import ModeSummary, ratios, summarize
+from afd_tools.run.monolithic import monolithic_connection, monolithic_replica
 from afd_tools.run.options import add_wire_options, add_workload_options
-from afd_tools.run.outputs import check_writable, write_atomically
+from afd_tools.run.outputs import check_writable, json_safe, write_atomically
 from afd_tools.run.report import print_report, write_plot
+from afd_tools.run.sharing import afd_shares, check_mps_options, describe_sharing, mps_clients
+from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN, Checks, Verdict, verify
 from afd_tools.run.workload import (
     Request,
     WorkloadError,
@@ -54,7 +57,6 @@ QUANT_TOLERANCE = 5e-2
 """Relative error allowed when dispatch rows travel as int8 (about amax / 254 per element,
 compounded over the layers)."""
 TRANSPORTS = ("shm", "nvshmem", "cam-emulator")
-COLOCATED = ("dp", "dp-ep")
 
 
 def add_parser(sub: Any) -> None:
@@ -63,11 +65,13 @@ def add_parser(sub: Any) -> None:
         help="run attention replicas and FFN ranks as processes on a prefill workload",
         description=(
             "Launch A attention replicas and F FFN ranks as processes (on CPU over shared "
-            "memory; on CUDA one GPU per process over NVSHMEM), prefill a workload in each mode "
-            "(async AFD, sync AFD, colocated), check every request's final hidden state against "
-            "the monolithic reference, and report TTFT, throughput and how busy each rank was. "
-            "Defaults that depend on the device: float32 / reference experts / shm / colocated dp "
-            "on CPU; bfloat16 / grouped_mm / nvshmem / colocated dp-ep on CUDA."
+            "memory; on CUDA one GPU per process over NVSHMEM, or with --share-gpus several per "
+            "GPU under CUDA MPS), prefill a workload in each mode (async AFD, sync AFD, "
+            "colocated), check every request's final hidden state against the monolithic "
+            "reference, and report TTFT, throughput and how busy each rank was. Defaults that "
+            "depend on the device: float32 / reference experts / shm / colocated dp on CPU; "
+            "bfloat16 / grouped_mm / nvshmem / colocated dp-ep on CUDA (mono when the ranks "
+            "share one GPU)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -81,8 +85,35 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--share-gpus",
         action="store_true",
-        help="cuda: allow more processes than GPUs, several per GPU (a functional check; use "
-        "--transport shm, since NVSHMEM and NCCL want one process per GPU)",
+        help="cuda: allow more processes than GPUs, rank i on GPU i mod G. Ranks sharing a GPU "
+        "run as clients of a private CUDA MPS daemon that afd run starts and stops (NVSHMEM "
+        "needs it), each with its share of the GPU's SMs. On one GPU this measures fixed "
+        "costs, kernels, device waits and asynchrony faithfully, but rows cross HBM, not "
+        "NVLink, and each rank has only its share of the SMs",
+    )
+    p.add_argument(
+        "--mps-attention-share",
+        type=int,
+        default=None,
+        metavar="PCT",
+        help="with shared GPUs: the percent of its GPU's SMs each attention rank may use "
+        "(its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; the FFN ranks on that GPU split the rest; a "
+        "GPU's ranks must add up to <= 100; with neither share given, every GPU is split "
+        "equally among its ranks)",
+    )
+    p.add_argument(
+        "--mps-ffn-share",
+        type=int,
+        default=None,
+        metavar="PCT",
+        help="with shared GPUs: the percent of its GPU's SMs each FFN rank may use (the "
+        "attention ranks on that GPU split the rest)",
+    )
+    p.add_argument(
+        "--no-mps",
+        action="store_true",
+        help="with shared GPUs: start no CUDA MPS daemon; the ranks time-slice the GPU "
+        "(--transport shm only: NVSHMEM refuses ranks sharing a GPU outside MPS)",
     )
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model shapes")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
@@ -97,13 +128,27 @@ def add_parser(sub: Any) -> None:
         help="activations and weights (default: float32 on cpu, bfloat16 on cuda)",
     )
     p.add_argument(
+        "--tie-margin",
+        type=float,
+        default=None,
+        help="verification: the relative router-score gap under which a token's top-k is a "
+        "near tie, where the reference takes the run's expert choice (default: "
+        + ", ".join(f"{v:.1e} in {k}" for k, v in sorted(TIE_MARGIN.items()))
+        + f", {QUANT_TIE_MARGIN:.1e} with --cam-dynamic-quant); elsewhere a different choice "
+        "is a wrong expert. 1 follows every disagreement: the report's largest followed gap "
+        "then measures what a device needs",
+    )
+    p.add_argument(
         "--colocated",
         choices=COLOCATED,
         default=None,
         help="the colocated baseline: dp = each of the A replicas holds the whole model; dp-ep "
-        "= A+F ranks (the same processors AFD uses), each with attention and 1/(A+F) of the "
-        "routed experts, tokens exchanged every MoE layer by all_gather + reduce_scatter "
-        "(NCCL on cuda, gloo on cpu) (default: dp on cpu, dp-ep on cuda)",
+        "= one rank per processor AFD uses (A+F on cpu, one per GPU on cuda), each with "
+        "attention and its share of the routed experts, tokens exchanged every MoE layer by "
+        "all_gather + reduce_scatter (NCCL on cuda, gloo on cpu); mono = the monolithic model "
+        "in one process on the whole first GPU (DP1, EP1), all requests first come first "
+        "served: what a one-GPU user runs, and what dp-ep becomes on one GPU (default: dp on "
+        "cpu, dp-ep on cuda)",
     )
     add_wire_options(p)
     p.add_argument(
@@ -161,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _apply_device_defaults(args: argparse.Namespace) -> Placement:
-    """Fill the device-dependent defaults into ``args`` and place the ranks."""
+    """Fill the device-dependent defaults into ``args`` (``--colocated`` as placed) and place
+    the ranks; the MPS options are checked against the placement."""
     kind = resolve_device(args.device)
     for key, value in DEVICE_DEFAULTS[kind].items():
         if getattr(args, key) is None:
@@ -176,7 +222,12 @@ def _apply_device_defaults(args: argparse.Namespace) -> Placement:
         raise WorkloadError(f"--stages must be >= 1, got {args.stages}")
     if args.attention_ranks < 1 or args.ffn_ranks < 1:
         raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
-    return place(kind, args.attention_ranks, args.ffn_ranks, args.share_gpus)
+    placement = place(kind, args.attention_ranks, args.ffn_ranks, args.share_gpus, args.colocated)
+    args.colocated = placement.colocated_mode
+    check_mps_options(
+        placement, args.mps_attention_share, args.mps_ffn_share, args.no_mps, args.transport
+    )
+    return placement
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -185,10 +236,15 @@ def _run(args: argparse.Namespace) -> int:
     overrides = {} if args.layers is None else {"num_layers": args.layers}
     config = preset(args.preset, **overrides)
     placement = _apply_device_defaults(args)
+    shares = (
+        {} if args.no_mps else afd_shares(placement, args.mps_attention_share, args.mps_ffn_share)
+    )
     if args.max_num_batched_tokens < 1:
         raise WorkloadError(
             f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}"
         )
+    if args.tie_margin is not None and not 0 <= args.tie_margin <= 1:
+        raise WorkloadError(f"--tie-margin must be within [0, 1], got {args.tie_margin}")
     if args.cam_dynamic_quant and args.transport != "cam-emulator":
         raise WorkloadError("--cam-dynamic-quant applies to --transport cam-emulator only")
     if args.transport == "cam-emulator" and args.shared != SharedPlacement.ATTENTION.value:
@@ -217,36 +273,33 @@ def _run(args: argparse.Namespace) -> int:
         lengths = prompt_lengths(args.workload, args.requests, args.seed, args.max_prompt_len)
     arrivals = arrival_times(len(lengths), args.rate, args.seed)
     requests = assign(lengths, arrivals, args.attention_ranks, args.assign, tokens)
-    expert_parallel = "colocated" in modes and args.colocated == "dp-ep"
-    afd_modes = [m for m in modes if not (m == "colocated" and expert_parallel)]
+    # Colocated dp runs inside the AFD launch; dp-ep and mono are launches of their own.
+    separate = "colocated" in modes and args.colocated != "dp"
+    afd_modes = [m for m in modes if not (m == "colocated" and separate)]
     # Each launch is built just before it runs (its pipes open only then).
     groups: list[Callable[[Connection], _Group]] = []
     if afd_modes:
         transport = _afd_transport(args, config)
         groups.append(
             lambda progress: _afd_group(
-                args, config, placement, requests, afd_modes, transport, progress
+                args, config, placement, requests, afd_modes, transport, progress, shares
             )
         )
-    if expert_parallel:
+    if separate:
+        colocated = _colocated_group if args.colocated == "dp-ep" else _monolithic_group
         groups.append(
-            lambda progress: _colocated_group(
-                args, config, placement, lengths, arrivals, tokens, progress
-            )
+            lambda progress: colocated(args, config, placement, lengths, arrivals, tokens, progress)
         )
     square = sum(n * n for n in lengths)
+    sharing = describe_sharing(placement, shares)
     print(
         f"afd run: {args.attention_ranks} attention x {args.ffn_ranks} FFN processes on "
-        f"{placement.kind}{' (GPUs shared)' if placement.shared else ''}, preset "
+        f"{placement.kind}{f' ({sharing})' if sharing else ''}, preset "
         f"{args.preset} ({config.num_hidden_layers} layers, {config.n_routed_experts} experts "
         f"top-{config.num_experts_per_tok}, {args.dtype}, {args.transport}), {len(requests)} "
         f"requests ({args.workload_file or args.workload}: {sum(lengths)} tokens, sum of "
         f"squares {square}), modes {', '.join(modes)}"
-        + (
-            f"; colocated = DP{len(placement.colocated)}+EP over {placement.exchange}"
-            if expert_parallel
-            else ""
-        )
+        + (f"; colocated: {placement.colocated_label}" if "colocated" in modes else "")
     )
     total = len(requests) * len(modes)
     outcomes: list[tuple[list[str], list[Request], list[Any], list[Any]]] = []
@@ -254,18 +307,8 @@ def _run(args: argparse.Namespace) -> int:
         for build in groups:
             outcomes.append(build(progress).run(args))
 
-    tolerance = _tolerance(args)
-    errors = _verify(config, args, placement, outcomes)
-    failures = {
-        mode: {r: e for r, e in by_request.items() if e > tolerance}
-        for mode, by_request in errors.items()
-        if any(e > tolerance for e in by_request.values())
-    }
-    worst = {
-        mode: max(by_request.items(), key=lambda item: item[1])
-        for mode, by_request in errors.items()
-        if by_request
-    }
+    verdict = Verdict(_verify(config, args, placement, outcomes), _tolerance(args), _margin(args))
+    failures = verdict.failures()
     summaries: dict[str, ModeSummary] = {}
     for group_modes, group_requests, values, intervals in outcomes:
         for mode in group_modes:
@@ -275,39 +318,23 @@ def _run(args: argparse.Namespace) -> int:
     if args.json is not None:
         report = {
             "args": {k: str(v) for k, v in vars(args).items() if k != "handler"},
-            "placement": placement.__dict__ | {"exchange": placement.exchange},
+            "placement": _placement_record(placement, shares),
             "modes": {m: s.as_dict() for m, s in summaries.items()},
             "ratios": ratios(summaries),
             "requests": [r.__dict__ for r in requests],
-            "verification_failures": {m: sorted(f) for m, f in failures.items()},
-            "verification_worst": {
-                m: {"request": r, "relative_error": e} for m, (r, e) in worst.items()
-            },
-            "verification_errors": {
-                m: {str(r): e for r, e in f.items()} for m, f in failures.items()
-            },
+            **verdict.as_json(),
         }
-        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
+        text = json.dumps(json_safe(report), indent=2, allow_nan=False)
+        write_atomically(args.json, lambda tmp: tmp.write_text(text))
         print(f"wrote {args.json}")
     if args.plot is not None:
         write_atomically(args.plot, lambda tmp: write_plot(tmp, summaries, outcomes))
         print(f"wrote {args.plot}")
     elapsed = time.perf_counter() - started
     if failures:
-        listed = "; ".join(
-            f"{m}: "
-            + ", ".join(f"request {r} (relative error {e:.2e})" for r, e in sorted(f.items()))
-            for m, f in failures.items()
-        )
-        print(
-            f"FAIL: outputs differ from the monolithic reference beyond the tolerance "
-            f"{tolerance:.0e} ({listed}); {elapsed:.0f} s"
-        )
+        print(f"{verdict.fail_line()}; {elapsed:.0f} s")
         return 1
-    print(
-        f"PASS: every request's final hidden state matches the monolithic reference in every "
-        f"mode (tolerance {tolerance:.0e}; worst {_worst_of(worst)}); {elapsed:.0f} s"
-    )
+    print(f"{verdict.pass_line()}; {elapsed:.0f} s")
     return 0
 
 
@@ -323,18 +350,41 @@ class _Group:
     replicas: int
     ffn_ranks: int
     pipes: list[Connection]
+    shares: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each rank's CUDA MPS share by rank name, where ranks share GPUs (empty: no MPS)."""
 
     def run(
         self, args: argparse.Namespace
     ) -> tuple[list[str], list[Request], list[Any], list[Any]]:
+        """Launch the ranks (as MPS clients with their shares, under a daemon that lives as
+        long as the launch, when :attr:`shares` is not empty) and collect their results."""
         try:
-            results = _launch(self.window, self.specs, args, self.factory)
+            with mps_clients(self.shares) as environments:
+                specs = [_with_env(spec, environments.get(spec.name, {})) for spec in self.specs]
+                results = _launch(self.window, specs, args, self.factory)
         finally:
             for end in self.pipes:
                 end.close()
         values = [results[f"attention rank {r}"].value for r in range(self.replicas)]
         intervals = [results[f"ffn rank {r}"].value["intervals"] for r in range(self.ffn_ranks)]
         return self.modes, self.requests, values, intervals
+
+
+def _with_env(spec: RankSpec, env: dict[str, str]) -> RankSpec:
+    """``spec`` with ``env`` added to its process environment."""
+    return dataclasses.replace(spec, env={**spec.env, **env}) if env else spec
+
+
+def _placement_record(placement: Placement, shares: dict[str, int]) -> dict[str, Any]:
+    """The ``placement`` object of the JSON report: every rank's device, the colocated
+    baseline in words, and how the AFD ranks shared GPUs (``mps_shares``: percent by rank
+    name, empty when no GPU was shared under MPS)."""
+    return placement.__dict__ | {
+        "exchange": placement.exchange,
+        "colocated_label": f"colocated: {placement.colocated_label}",
+        "sharing": describe_sharing(placement, shares) or "none",
+        "mps_shares": dict(shares),
+    }
 
 
 def _replica_spec(
@@ -393,6 +443,7 @@ def _afd_group(
     modes: list[str],
     transport: tuple[WindowLayout, TransportFactory],
     progress: Connection,
+    shares: dict[str, int],
 ) -> _Group:
     window, factory = transport
     # Pipes only (no semaphore, no shared-memory name): nothing outlives a crash.
@@ -428,6 +479,7 @@ def _afd_group(
         args.attention_ranks,
         args.ffn_ranks,
         [*inboxes, *outboxes],
+        shares,
     )
 
 
@@ -440,8 +492,8 @@ def _colocated_group(
     tokens: list[tuple[int, ...] | None] | None,
     progress: Connection,
 ) -> _Group:
-    """Colocated DP+EP on the A+F processors AFD uses: the same requests and arrivals,
-    assigned over A+F replicas by the same policy."""
+    """Colocated DP+EP on the processors AFD uses (A+F on the CPU, one rank per GPU on
+    CUDA): the same requests and arrivals, assigned over its ranks by the same policy."""
     world = len(placement.colocated)
     requests = assign(lengths, arrivals, world, args.assign, tokens)
     slot = SlotLayout(
@@ -487,16 +539,55 @@ def _colocated_group(
     )
 
 
-def _worst_of(worst: dict[str, tuple[int, float]]) -> str:
-    if not worst:
-        return "none"
-    mode, (request, error) = max(worst.items(), key=lambda item: item[1][1])
-    return f"{error:.1e}, request {request} in {mode}"
+def _monolithic_group(
+    args: argparse.Namespace,
+    config: Any,
+    placement: Placement,
+    lengths: list[int],
+    arrivals: list[float],
+    tokens: list[tuple[int, ...] | None] | None,
+    progress: Connection,
+) -> _Group:
+    """``--colocated mono``: the monolithic model in one process on the first attention
+    replica's device, every request with the same arrivals, first come first served
+    (:mod:`afd_tools.run.monolithic`); not an MPS client, so it has the whole GPU."""
+    requests = assign(lengths, arrivals, 1, args.assign, tokens)
+    slot = SlotLayout(
+        Topology(1, 1, config.n_routed_experts),
+        config.hidden_size,
+        args.max_num_batched_tokens,
+        config.num_experts_per_tok,
+        dtype=args.dtype,
+    )
+    device = placement.colocated[0]
+    spec = RankSpec(
+        Role.ATTENTION,
+        0,
+        monolithic_replica,
+        {
+            "config": config,
+            "seed": args.seed,
+            "requests": requests,
+            "max_tokens": args.max_num_batched_tokens,
+            "backend": args.backend,
+            "progress": progress,
+            "device": device,
+        },
+    )
+    factory = functools.partial(monolithic_connection, device=device)
+    return _Group(["colocated"], requests, slot.window(ring_depth=1), [spec], factory, 1, 0, [])
 
 
 def _tolerance(args: argparse.Namespace) -> float:
     """The relative error a request's output may have against the monolithic reference."""
     return QUANT_TOLERANCE if args.cam_dynamic_quant else TOLERANCE[args.dtype]
+
+
+def _margin(args: argparse.Namespace) -> float:
+    """The relative router-score gap under which the reference follows the run's experts."""
+    if args.tie_margin is not None:
+        return float(args.tie_margin)
+    return QUANT_TIE_MARGIN if args.cam_dynamic_quant else TIE_MARGIN[args.dtype]
 
 
 def _transport_factory(args: argparse.Namespace, slot: SlotLayout) -> TransportFactory:
@@ -568,57 +659,23 @@ def _verify(
     args: argparse.Namespace,
     placement: Placement,
     outcomes: list[tuple[list[str], list[Request], list[Any], list[Any]]],
-) -> dict[str, dict[int, float]]:
-    """Compare every request of every mode with the monolithic model (on the first
-    attention replica's device); return every relative error (per mode, request id ->
-    error).
-
-    The reference replays each replica's steps -- the same batches, the same chunks of
-    long prompts -- and computes its routed experts with the FFN ranks' backend, so that
-    the one thing it does differently is the MoE exchange under test. In float32 that
-    hardly matters; in bfloat16 it does: another batch shape makes the GEMMs round
-    differently, and where two experts' router scores are that close, a token's top-k
-    flips from one layer on -- a difference of several percent in one token's final state
-    (more with V3's group-limited routing) that would say nothing about AFD."""
+) -> Checks:
+    """Check every request of every mode against the monolithic model on the first
+    attention replica's device, with the FFN ranks' expert backend, replaying each
+    replica's own steps and following its expert choice at routing near ties
+    (:mod:`afd_tools.run.verify`)."""
     dtype = getattr(torch, args.dtype)
     device = placement.attention[0]
     weights = ranks.random_weights(args.seed, torch.device(device))
     reference = MonolithicModel(config, weights, dtype=dtype, device=device, backend=args.backend)
-    replayed: dict[tuple[Any, ...], dict[int, torch.Tensor]] = {}
-    errors: dict[str, dict[int, float]] = {}
-    for modes, requests, values, _ in outcomes:
-        prompts = {
-            r.request_id: ranks.request_tokens(r, config.vocab_size, args.seed) for r in requests
-        }
-        for mode in modes:
-            errors[mode] = {}
-            for replica in values:
-                result = replica[mode]
-                key = tuple(tuple(step) for step in result.steps)
-                if key not in replayed:
-                    replayed[key] = _replay(reference, prompts, result.steps)
-                for rid, hidden in result.last_hidden.items():
-                    errors[mode][rid] = relative_error(hidden, replayed[key][rid])
+    prompts = {
+        r.request_id: ranks.request_tokens(r, config.vocab_size, args.seed)
+        for _, requests, _, _ in outcomes
+        for r in requests
+    }
+    checks = verify(reference, outcomes, prompts, _margin(args))
     del reference
-    return errors
+    return checks
 
 
-def _replay(
-    reference: MonolithicModel,
-    prompts: dict[int, torch.Tensor],
-    steps: list[list[tuple[int, int, int, bool]]],
-) -> dict[int, torch.Tensor]:
-    """Every finished request's final hidden state, from the steps a replica ran."""
-    cache = KVCache()
-    out: dict[int, torch.Tensor] = {}
-    for step in steps:
-        entries = [PromptChunk(rid, prompts[rid][b:e], b, final) for rid, b, e, final in step]
-        last = reference.forward(entries, compute_logits=False, cache=cache)
-        states = last.last_hidden_states().float().cpu()
-        for row, (rid, _, _, final) in enumerate(step):
-            if final:
-                out[rid] = states[row]
-    return out
-
-
-__all__ = ["MODES", "AFDError", "add_parser", "run"]
+__all__ = ["COLOCATED", "MODES", "AFDError", "add_parser", "run"]

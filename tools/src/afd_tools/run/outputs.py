@@ -3,10 +3,12 @@ so a finished run is never lost to a bad path and a reader never sees half a fil
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from afd_tools.run.workload import WorkloadError
 
@@ -35,3 +37,16 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every float that is not finite written as the string ``"nan"``,
+    ``"inf"`` or ``"-inf"`` (dicts, lists and tuples walked), so that ``json.dumps(...,
+    allow_nan=False)`` writes valid JSON and a reader sees the value for what it is."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value

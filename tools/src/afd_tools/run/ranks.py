@@ -44,6 +44,7 @@ from afd_tools.run.breakdown import Clock, ItemTimer, LayerTimes, TimedEndpoint
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
 from afd_tools.run.forwarding import ForwardingEndpoint
 from afd_tools.run.lockstep import Lockstep
+from afd_tools.run.routing import RoutingLog
 from afd_tools.run.staging import StagedAttentionEndpoint, staged_compute
 from afd_tools.run.workload import ChunkQueue, Request
 
@@ -76,6 +77,12 @@ class ModeResult:
     reference replays them: in bfloat16 the batching changes the rounding)."""
     layer_times: dict[str, float] = field(default_factory=dict)
     """Per MoE layer: compute, dispatch and combine times (:mod:`afd_tools.run.breakdown`)."""
+    routing: list[torch.Tensor] = field(default_factory=list)
+    """Per real step (as ``steps``), int32 ``[moe layers, T, k]`` on the CPU: every token's
+    top-k expert ids at each MoE layer (``config.moe_layers`` order), as this replica routed
+    them (:class:`~afd_tools.run.routing.RoutingLog`); the verification's reference takes
+    them at routing near-ties and checks them everywhere else. ``T * k * 4`` bytes per MoE
+    layer and step, copied to the host after the step's end time was taken."""
 
 
 class LockstepEndpoint(ForwardingEndpoint):
@@ -175,6 +182,7 @@ def attention_replica(
     timed = TimedEndpoint(endpoint, clock)
     lockstep = LockstepEndpoint(timed, steps, run_timeout)
     prompts = {r.request_id: request_tokens(r, config.vocab_size, seed) for r in requests}
+    log = RoutingLog(config.moe_layers)  # every step's expert choices, for the verification
     # Warm up every path once (allocations, first-call dispatch) before anything is timed.
     warm = [torch.zeros(min(4, max_tokens), dtype=torch.long)]
     if expert_parallel is not None:
@@ -233,19 +241,26 @@ def attention_replica(
             timed.begin_step()
             lockstep.wait_s = 0.0
             if mode == "colocated" and colocated is not None:
-                output = colocated.forward(entries, compute_logits=False, cache=cache)
+                output = colocated.forward(entries, compute_logits=False, cache=cache, select=log)
                 waited = 0.0
             elif mode == "colocated":
                 assert expert_parallel is not None
                 expert_parallel.begin_step(rows)
                 exchanged = expert_parallel.exchange_s
-                output = afd_model.forward(entries, timed, compute_logits=False, cache=cache)
+                output = afd_model.forward(
+                    entries, timed, compute_logits=False, cache=cache, select=log
+                )
                 waited = expert_parallel.exchange_s - exchanged
             else:
                 chosen: AttentionEndpoint = lockstep if mode == "sync" else timed
                 stages = num_stages if mode == "async" else 1
                 output = afd_model.forward(
-                    entries, chosen, num_stages=stages, compute_logits=False, cache=cache
+                    entries,
+                    chosen,
+                    num_stages=stages,
+                    compute_logits=False,
+                    cache=cache,
+                    select=log,
                 )
                 waited = afd_model.stats.combine_wait_s + lockstep.wait_s
             timed.totals.barrier_s += lockstep.wait_s
@@ -254,8 +269,10 @@ def attention_replica(
             result.busy_s += end - start - waited
             result.wait_s += waited
             result.batches.append((start, end, sum(c.end - c.begin for c in chunks)))
+            routing = log.take()  # after the end time: its copy to the host is not timed
             if chunks:
                 result.steps.append([(c.request_id, c.begin, c.end, c.final) for c in chunks])
+                result.routing.append(routing)
                 last = output.last_hidden_states().float().cpu()
                 for row, chunk in enumerate(chunks):
                     if chunk.final:  # the prompt's last token: its time to first token

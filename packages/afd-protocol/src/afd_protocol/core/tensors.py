@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -29,12 +30,20 @@ def constant_index(values: tuple[int, ...], device: torch.device) -> torch.Tenso
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     """``|out - ref| / |ref|`` in the Frobenius norm, in float64 (0 for two empty tensors).
 
-    The measure every afd verification uses to compare an output with its reference.
+    The measure every afd verification uses to compare an output with its reference: any
+    shape, dtype and device (both are compared on the CPU). ``inf`` when either tensor
+    holds a NaN or an infinity, so that ``error <= tolerance`` and ``max`` over errors
+    fail on it; NaN never comes back (``nan > tolerance`` is False, which once let a
+    NaN output pass). A caller that must say which side was not finite checks that
+    itself (``torch.isfinite``).
     """
     if reference.numel() == 0:
         return 0.0
     ref = reference.detach().double().cpu()
-    diff = (out.detach().double().cpu() - ref).norm()
+    got = out.detach().double().cpu()
+    if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(ref).all())):
+        return math.inf
+    diff = (got - ref).norm()
     return float(diff / ref.norm().clamp_min(1e-30))
 
 

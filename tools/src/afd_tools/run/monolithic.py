@@ -1,0 +1,153 @@
+"""The colocated baseline of one GPU (``--colocated mono``): what a one-GPU user runs.
+
+One process holds the whole model (:class:`afd_models.MonolithicModel`, with the FFN
+ranks' expert backend) on the whole device -- DP1, EP1, no exchange -- and prefills every
+request first come, first served, with the same batch budget, arrivals and chunking as
+the AFD replicas. Where the AFD ranks share one GPU (under CUDA MPS), this is the honest
+baseline: NCCL refuses two ranks of one communicator on one GPU, and colocated ranks over
+gloo would measure gloo.
+
+It runs under the same launcher as every other mode (a process of its own with a fresh
+CUDA context, the launcher's clean-up on failure and on Ctrl-C), over a connection that
+has no peers (:class:`MonolithicConnection`).
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection as Pipe
+from typing import Any
+
+import torch
+
+from afd_models import DeepseekConfig, KVCache, MonolithicModel, PromptChunk
+from afd_protocol import (
+    EndpointOptions,
+    InvalidArgument,
+    Role,
+    SlotLayout,
+    WindowLayout,
+    freeze_heap,
+)
+from afd_protocol.core.rendezvous import check_supervisor
+from afd_tools.run.ranks import ModeResult, random_weights, rank_device, request_tokens
+from afd_tools.run.routing import RoutingLog
+from afd_tools.run.workload import ChunkQueue, Request
+
+MODE = "colocated"
+
+
+class MonolithicConnection:
+    """The launcher's connection of a rank without peers: it names the rank and its device
+    and makes no endpoint (the monolithic model exchanges nothing)."""
+
+    def __init__(self, window: WindowLayout, rank: int, device: torch.device) -> None:
+        self._layout = window.slot
+        self._rank = rank
+        self._device = device
+
+    @property
+    def role(self) -> Role:
+        return Role.ATTENTION
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def layout(self) -> SlotLayout:
+        return self._layout
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def attention_endpoint(self, options: EndpointOptions | None = None) -> Any:
+        raise InvalidArgument("the monolithic model exchanges nothing: it has no endpoint")
+
+    def ffn_endpoint(self, options: EndpointOptions | None = None) -> Any:
+        raise InvalidArgument("the monolithic model exchanges nothing: it has no endpoint")
+
+    def abort(self) -> None:
+        """No peer to tell."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+def monolithic_connection(
+    window: WindowLayout,
+    role: Role,
+    rank: int,
+    rendezvous: str,
+    connect_timeout: float,
+    *,
+    device: str,
+) -> MonolithicConnection:
+    """A launcher transport factory (bind ``device``, e.g. ``"cuda:0"``, with
+    ``functools.partial``) for the one rank of ``--colocated mono``."""
+    if role is not Role.ATTENTION or rank != 0:
+        raise InvalidArgument(f"the monolithic baseline is one attention rank 0, not {role} {rank}")
+    return MonolithicConnection(window, rank, torch.device(device))
+
+
+def monolithic_replica(
+    connection: MonolithicConnection,
+    *,
+    config: DeepseekConfig,
+    seed: int,
+    requests: list[Request],
+    max_tokens: int,
+    backend: str,
+    progress: Pipe,
+    device: str = "cpu",
+) -> dict[str, ModeResult]:
+    """Prefill ``requests`` (all of them: this is the only replica) with the whole model on
+    ``device``; return ``{"colocated": ModeResult}`` as an attention replica does (final
+    hidden states float32 ``[hidden]`` on the CPU, one per request; per step, the routing
+    int32 ``[moe layers, T, k]`` on the CPU)."""
+    where = rank_device(connection, device)
+    dtype = getattr(torch, connection.layout.dtype)
+    model = MonolithicModel(
+        config, random_weights(seed, where), dtype=dtype, device=where, backend=backend
+    )
+    prompts = {r.request_id: request_tokens(r, config.vocab_size, seed) for r in requests}
+    log = RoutingLog(config.moe_layers)  # every step's expert choices, for the verification
+    model.forward([torch.zeros(min(4, max_tokens), dtype=torch.long)], compute_logits=False)
+    _synchronize(where)  # warmed up: allocations and first calls are not timed
+    freeze_heap()
+    origin = time.monotonic()
+    result = ModeResult(origin=origin)
+    queue = ChunkQueue(requests, max_tokens)
+    cache = KVCache()  # earlier chunks of prompts longer than the budget
+    while not queue.empty:
+        now = time.monotonic() - origin
+        chunks = queue.next_step(now)
+        if not chunks:  # idle until the next arrival; an orphan (launcher gone) stops here
+            check_supervisor(f"monolithic rank {connection.rank}")
+            time.sleep(min(0.01, max(0.0, queue.next_arrival - now)))
+            continue
+        start = time.monotonic() - origin
+        entries = [
+            PromptChunk(c.request_id, prompts[c.request_id][c.begin : c.end], c.begin, c.final)
+            for c in chunks
+        ]
+        output = model.forward(entries, compute_logits=False, cache=cache, select=log)
+        _synchronize(where)  # the step ends when its work did
+        end = time.monotonic() - origin
+        result.busy_s += end - start
+        result.batches.append((start, end, sum(c.end - c.begin for c in chunks)))
+        result.steps.append([(c.request_id, c.begin, c.end, c.final) for c in chunks])
+        result.routing.append(log.take())  # after the end time: its copy is not timed
+        last = output.last_hidden_states().float().cpu()
+        for row, chunk in enumerate(chunks):
+            if chunk.final:  # the prompt's last token: its time to first token
+                result.done[chunk.request_id] = end
+                result.last_hidden[chunk.request_id] = last[row].clone()
+                progress.send_bytes(b"1")
+    return {MODE: result}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,410 @@
+"""``afd run``'s verification: every request's final hidden state against the monolithic
+reference, which replays each replica's own steps and follows its expert choice only at
+routing near-ties.
+
+The reference replays a replica's steps -- the same batches, the same chunks of long
+prompts -- and computes its routed experts with the FFN ranks' backend, so that what it
+does differently is the MoE exchange under test (and the rounding of other batch shapes).
+A request passes when:
+
+* its output and the reference's are finite (a NaN or an infinity on either side fails,
+  naming the side);
+* wherever the run chose other experts than the reference's own router would, the
+  reference's top-k was within the margin of a tie (:data:`TIE_MARGIN`); elsewhere it is a
+  *wrong expert*, named with its layer and token;
+* its relative error is within the tolerance.
+
+Why the near-tie rule: in bfloat16, other batch shapes round the GEMMs differently, and
+where two experts' router scores are that close the top-k flips from one layer on -- a
+difference of several percent in one token's state that says nothing about AFD. At such a
+token the reference takes the run's choice, so both compute the same experts and the
+tolerance stays tight everywhere; the tokens where that happened are counted per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from afd_models import KVCache, MonolithicModel, PromptChunk
+from afd_protocol import relative_error
+from afd_tools.run.routing import RoutingError, TieFollower, differs
+
+TIE_MARGIN = {"float32": 2.0**-16, "bfloat16": 2.0**-3}
+"""Largest relative gap (:meth:`afd_models.Selection.tie_gaps`) at which a routing
+decision counts as a near tie, per dtype (see docs/testing.md for how it was measured):
+bf16 is 2.8x the largest flip measured on an H200, 4.5e-2 (2A1F v2-lite, 8 layers, the
+uneven 24-request mix, ranks at 25 % MPS shares against a whole-GPU reference: cuBLAS
+picks other kernels for another SM count, so they round differently; 3.4e-2 at 50 %, where
+every disagreement followed with --tie-margin 1 was 8,542 of 379,897 decisions); on CPU
+the largest was 2.7e-3. A followed decision still has its output checked to the
+tolerance."""
+QUANT_TIE_MARGIN = 2.0**-4
+"""The same with int8 dispatch rows (``--cam-dynamic-quant``): the expert inputs, and so the
+next layers' router inputs, carry about 1 % of quantisation error."""
+
+Steps = list[list[tuple[int, int, int, bool]]]
+"""A replica's steps: per step, ``(request id, begin, end, final)`` per chunk."""
+
+
+@dataclass(frozen=True)
+class WrongExpert:
+    """A request's first routing decision where the run chose other experts than the
+    reference's router with no near tie."""
+
+    layer: int
+    position: int
+    """The token's position in its prompt."""
+    run: tuple[int, ...]
+    """The experts the run chose (sorted)."""
+    reference: tuple[int, ...]
+    gap: float
+    """The reference's relative tie gap at that token (above the margin)."""
+
+    def describe(self, count: int) -> str:
+        return (
+            f"wrong expert at layer {self.layer}: token {self.position} went to experts "
+            f"{list(self.run)} where the reference routes it to {list(self.reference)} with "
+            f"no near tie (gap {self.gap:.1e}); {count} such token-layer decisions"
+        )
+
+
+@dataclass
+class RoutingCounts:
+    """One request's routing against the reference, over every MoE layer and step."""
+
+    near_ties: int = 0
+    """Token-layer decisions within the margin of a tie."""
+    followed: int = 0
+    """Of those, where the run chose otherwise and the reference took its choice."""
+    largest_followed_gap: float = 0.0
+    """The largest tie gap among the followed decisions: how close to the margin the
+    rounding came (``afd run --tie-margin 1`` follows every disagreement, which measures
+    what margin a device needs)."""
+    wrong: int = 0
+    first_wrong: WrongExpert | None = None
+
+
+@dataclass(frozen=True)
+class RequestCheck:
+    """One request's output in one mode against the reference."""
+
+    error: float
+    """Relative error (:func:`afd_protocol.relative_error`); ``inf`` if not finite."""
+    not_finite: str | None = None
+    """Which side held NaN or inf, and how many (``None``: both finite)."""
+    routing: RoutingCounts = field(default_factory=RoutingCounts)
+
+    def problem(self, tolerance: float) -> str | None:
+        """Why this request fails (one line), or ``None`` if it passes."""
+        if self.not_finite is not None:
+            return f"not finite: {self.not_finite}"
+        if self.routing.first_wrong is not None:
+            return self.routing.first_wrong.describe(self.routing.wrong)
+        if not self.error <= tolerance:
+            return f"relative error {self.error:.2e}"
+        return None
+
+
+Checks = dict[str, dict[int, RequestCheck]]
+"""Per mode, request id -> its check."""
+
+
+def not_finite(out: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """Which of ``out`` (the run's output) and ``reference`` hold NaN or inf (any shapes)."""
+    parts = []
+    for side, tensor in (("the run's output", out), ("the reference", reference)):
+        nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+        if nan or inf:
+            parts.append(f"{side} holds {nan} NaN and {inf} inf of {tensor.numel()} values")
+    return "; ".join(parts) or None
+
+
+def check_request(
+    out: torch.Tensor, reference: torch.Tensor, routing: RoutingCounts | None = None
+) -> RequestCheck:
+    """Compare one request's final hidden state ``out [H]`` with the reference's ``[H]``."""
+    return RequestCheck(
+        relative_error(out, reference), not_finite(out, reference), routing or RoutingCounts()
+    )
+
+
+@dataclass
+class ReplicaReplay:
+    """The reference's replay of one replica's steps."""
+
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """request id -> float32 ``[H]`` final hidden state, on the CPU."""
+    own: list[torch.Tensor] = field(default_factory=list)
+    """Per step, the reference's own top-k, int32 ``[moe layers, T, k]`` (CPU)."""
+    counts: dict[int, RoutingCounts] = field(default_factory=dict)
+    disagreed: bool = False
+    """Whether the run chose otherwise anywhere (followed or wrong)."""
+
+    def agrees_with(self, routing: Sequence[torch.Tensor]) -> bool:
+        """Whether a run routed every token of every step as this replay did (as sets)."""
+        return len(routing) == len(self.own) and all(
+            not bool(differs(run, own).any()) for run, own in zip(routing, self.own, strict=True)
+        )
+
+
+def replay_replica(
+    reference: MonolithicModel,
+    prompts: Mapping[int, torch.Tensor],
+    steps: Steps,
+    routing: Sequence[torch.Tensor] | None,
+    margin: float,
+) -> ReplicaReplay:
+    """Replay ``steps`` (one replica's), following ``routing`` (the replica's record, one
+    int32 ``[moe layers, T, k]`` per step; ``None``: the reference's own routing) at near
+    ties within ``margin``."""
+    if routing is not None and len(routing) != len(steps):
+        raise RoutingError(f"the replica recorded routing for {len(routing)} of {len(steps)} steps")
+    layers = reference.config.moe_layers
+    cache = KVCache()
+    replay = ReplicaReplay()
+    for index, step in enumerate(steps):
+        entries = [PromptChunk(rid, prompts[rid][b:e], b, final) for rid, b, e, final in step]
+        hook = TieFollower(layers, margin, None if routing is None else routing[index])
+        last = reference.forward(entries, compute_logits=False, cache=cache, select=hook)
+        states = last.last_hidden_states().float().cpu()
+        replay.own.append(hook.record("own"))
+        _count(replay, step, hook, layers)
+        for row, (rid, _, _, final) in enumerate(step):
+            if final:
+                replay.outputs[rid] = states[row]
+    return replay
+
+
+def _count(
+    replay: ReplicaReplay,
+    step: list[tuple[int, int, int, bool]],
+    hook: TieFollower,
+    layers: Sequence[int],
+) -> None:
+    """Add one step's near ties, followed and wrong decisions to each request's counts."""
+    near, followed, wrong, gaps = (
+        hook.record(name) for name in ("near", "followed", "wrong", "gaps")
+    )
+    replay.disagreed = replay.disagreed or bool((followed | wrong).any())
+    row = 0
+    for rid, begin, end, _ in step:
+        rows = slice(row, row + end - begin)
+        counts = replay.counts.setdefault(rid, RoutingCounts())
+        counts.near_ties += int(near[:, rows].sum())
+        counts.followed += int(followed[:, rows].sum())
+        if bool(followed[:, rows].any()):
+            largest = float(gaps[:, rows][followed[:, rows]].max())
+            counts.largest_followed_gap = max(counts.largest_followed_gap, largest)
+        counts.wrong += int(wrong[:, rows].sum())
+        if counts.first_wrong is None and bool(wrong[:, rows].any()):
+            counts.first_wrong = _first_wrong(hook, layers, rows, begin)
+        row = rows.stop
+
+
+def _first_wrong(hook: TieFollower, layers: Sequence[int], rows: slice, begin: int) -> WrongExpert:
+    """The first (layer, token) of ``rows`` where the run chose otherwise with no near tie."""
+    assert hook.run is not None
+    wrong = hook.record("wrong")[:, rows]
+    index, offset = (int(v) for v in wrong.nonzero()[0])
+    token = rows.start + offset
+    return WrongExpert(
+        layer=layers[index],
+        position=begin + offset,
+        run=tuple(sorted(int(e) for e in hook.run[index, token])),
+        reference=tuple(sorted(int(e) for e in hook.record("own")[index, token])),
+        gap=float(hook.record("gaps")[index, token]),
+    )
+
+
+@dataclass
+class Verifier:
+    """Replays every replica of every mode and checks each request (see the module
+    docstring); a plain replay is reused for a replica of another mode that ran the same
+    steps and routed every token as it did."""
+
+    reference: MonolithicModel
+    margin: float
+    _plain: dict[tuple[Any, ...], ReplicaReplay] = field(default_factory=dict)
+
+    def replica(
+        self,
+        prompts: Mapping[int, torch.Tensor],
+        steps: Steps,
+        routing: Sequence[torch.Tensor] | None,
+    ) -> ReplicaReplay:
+        """The replay of one replica's ``steps`` following its ``routing`` (``None``: a
+        replica that recorded none is replayed with the reference's own routing: no near
+        tie followed, no wrong expert detected)."""
+        key = tuple(tuple(step) for step in steps)
+        plain = self._plain.get(key)
+        if plain is not None and (routing is None or plain.agrees_with(routing)):
+            return plain
+        replay = replay_replica(self.reference, prompts, steps, routing, self.margin)
+        if not replay.disagreed:  # it routed as a plain replay does: reusable
+            self._plain[key] = replay
+        return replay
+
+    def check(self, prompts: Mapping[int, torch.Tensor], result: Any) -> dict[int, RequestCheck]:
+        """Every finished request of one replica's :class:`~afd_tools.run.ranks.ModeResult`."""
+        recorded = getattr(result, "routing", None)
+        replay = self.replica(prompts, result.steps, recorded or None)
+        return {
+            rid: check_request(hidden, replay.outputs[rid], replay.counts.get(rid))
+            for rid, hidden in result.last_hidden.items()
+        }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Every check of a run against its tolerance and tie margin."""
+
+    checks: Checks
+    tolerance: float
+    margin: float
+
+    def failures(self) -> dict[str, dict[int, str]]:
+        """Per mode with a failing request: request id -> why."""
+        out: dict[str, dict[int, str]] = {}
+        for mode, by_request in self.checks.items():
+            bad = {r: p for r, c in by_request.items() if (p := c.problem(self.tolerance))}
+            if bad:
+                out[mode] = dict(sorted(bad.items()))
+        return out
+
+    def worst(self) -> dict[str, tuple[int, RequestCheck]]:
+        """Per mode, the request with the largest error (a non-finite one first)."""
+        return {
+            mode: max(by_request.items(), key=lambda item: _severity(item[1]))
+            for mode, by_request in self.checks.items()
+            if by_request
+        }
+
+    def near_ties(self) -> dict[str, tuple[int, int, float]]:
+        """Per mode, ``(near-tie decisions, of which followed, the largest followed gap)``
+        over every request."""
+        return {
+            mode: (
+                sum(c.routing.near_ties for c in by_request.values()),
+                sum(c.routing.followed for c in by_request.values()),
+                max((c.routing.largest_followed_gap for c in by_request.values()), default=0.0),
+            )
+            for mode, by_request in self.checks.items()
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        """The report's verification fields: valid JSON (no NaN, no inf; ``null`` plus a
+        reason where an error is not a finite number)."""
+        failures = self.failures()
+        worst = self.worst()
+        return {
+            "verification_tolerance": self.tolerance,
+            "verification_tie_margin": self.margin,
+            "verification_failures": {m: sorted(f) for m, f in failures.items()},
+            "verification_errors": {
+                m: {str(r): _number(self.checks[m][r].error) for r in f}
+                for m, f in failures.items()
+            },
+            "verification_reasons": {
+                m: {str(r): why for r, why in f.items()} for m, f in failures.items()
+            },
+            "verification_worst": {
+                m: {
+                    "request": r,
+                    "relative_error": _number(c.error),
+                    "problem": c.problem(self.tolerance),
+                }
+                for m, (r, c) in worst.items()
+            },
+            "verification_near_ties": {
+                m: {
+                    "decisions": near,
+                    "followed": followed,
+                    "largest_followed_gap": largest,
+                    "requests": {
+                        str(r): {"near_ties": c.routing.near_ties, "followed": c.routing.followed}
+                        for r, c in sorted(self.checks[m].items())
+                        if c.routing.near_ties
+                    },
+                }
+                for m, (near, followed, largest) in self.near_ties().items()
+            },
+        }
+
+    def fail_line(self) -> str:
+        listed = "; ".join(
+            f"{mode}: " + ", ".join(f"request {r} ({why})" for r, why in bad.items())
+            for mode, bad in self.failures().items()
+        )
+        return (
+            f"FAIL: outputs differ from the monolithic reference (tolerance "
+            f"{self.tolerance:.0e}, routing tie margin {self.margin:.1e}): {listed}"
+        )
+
+    def pass_line(self) -> str:
+        ties = ", ".join(
+            f"{mode} {near} ({followed} followed"
+            + (f", largest gap {largest:.1e})" if followed else ")")
+            for mode, (near, followed, largest) in self.near_ties().items()
+        )
+        return (
+            f"PASS: every request's final hidden state matches the monolithic reference in "
+            f"every mode (tolerance {self.tolerance:.0e}; worst {self._worst_text()}); routing "
+            f"near ties within {self.margin:.1e}, token-layer decisions: {ties or 'none'}"
+        )
+
+    def _worst_text(self) -> str:
+        worst = self.worst()
+        if not worst:
+            return "none"
+        mode, (request, check) = max(worst.items(), key=lambda item: _severity(item[1][1]))
+        return f"{check.error:.1e}, request {request} in {mode}"
+
+
+def _severity(check: RequestCheck) -> float:
+    """Sort key: the error, with anything not a number above everything."""
+    return check.error if not math.isnan(check.error) else math.inf
+
+
+def _number(value: float) -> float | None:
+    """``value`` for JSON: ``None`` unless finite (the reason is given beside it)."""
+    return value if math.isfinite(value) else None
+
+
+def verify(
+    reference: MonolithicModel,
+    outcomes: Sequence[tuple[Sequence[str], Sequence[Any], Sequence[Mapping[str, Any]], Any]],
+    prompts: Mapping[int, torch.Tensor],
+    margin: float,
+) -> Checks:
+    """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
+    per-replica results by mode, FFN intervals) against ``reference``."""
+    verifier = Verifier(reference, margin)
+    checks: Checks = {}
+    for modes, _, values, _ in outcomes:
+        for mode in modes:
+            checks[mode] = {}
+            for replica in values:
+                checks[mode].update(verifier.check(prompts, replica[mode]))
+    return checks
+
+
+__all__ = [
+    "QUANT_TIE_MARGIN",
+    "TIE_MARGIN",
+    "Checks",
+    "ReplicaReplay",
+    "RequestCheck",
+    "RoutingCounts",
+    "Verdict",
+    "Verifier",
+    "WrongExpert",
+    "check_request",
+    "not_finite",
+    "replay_replica",
+    "verify",
+]

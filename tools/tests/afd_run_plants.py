@@ -1,0 +1,89 @@
+"""Attention replicas with a planted fault, for the end-to-end tests of ``afd run``'s
+verification (tools/tests/test_run.py puts one in place of
+:func:`afd_tools.run.ranks.attention_replica`; the spawned rank processes import it from
+here).
+
+Each runs the real replica with :meth:`afd_models.AttentionRoleModel.forward` wrapped, so
+that the planted expert choice is what the replica dispatches and records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from afd_models import AttentionRoleModel, LayerSelect, Selection
+from afd_protocol import Connection
+from afd_tools.run import ranks
+from afd_tools.run.verify import TIE_MARGIN
+
+Plant = Callable[[int, Selection], torch.Tensor]
+
+
+def _planted(select: LayerSelect, plant: Plant) -> LayerSelect:
+    """``select`` seeing the selection with ``plant``'s ids instead of the router's."""
+
+    def choose(layer: int, selection: Selection) -> torch.Tensor:
+        return select(layer, dataclasses.replace(selection, ids=plant(layer, selection)))
+
+    return choose
+
+
+def _with_plant(plant_for_call: Callable[[int], Plant | None]) -> None:
+    """Wrap ``AttentionRoleModel.forward`` in this process: forward number ``n`` (counting
+    those with a select hook, i.e. the real steps) routes by ``plant_for_call(n)``."""
+    original = AttentionRoleModel.forward
+    calls = [0]
+
+    def forward(self: AttentionRoleModel, *args: Any, **options: Any) -> Any:
+        select = options.get("select")
+        if select is not None:
+            plant = plant_for_call(calls[0])
+            calls[0] += 1
+            if plant is not None:
+                options["select"] = _planted(select, plant)
+        return original(self, *args, **options)
+
+    AttentionRoleModel.forward = forward  # type: ignore[method-assign]
+
+
+def wrong_expert_and_nan_replica(connection: Connection, **kwargs: Any) -> dict[str, Any]:
+    """In the first step, the batch's first token (request 0's, with one replica and no
+    arrival rate) goes to its lowest-scoring expert instead of its k-th at the last MoE
+    layer -- far from any tie; and request 1's final hidden state gets a NaN."""
+    last = kwargs["config"].moe_layers[-1]
+
+    def worst_for_row_0(layer: int, selection: Selection) -> torch.Tensor:
+        ids = selection.ids.clone()
+        if layer == last:
+            ids[0, -1] = selection.scores[0].argmin()
+        return ids
+
+    _with_plant(lambda n: worst_for_row_0 if n == 0 else None)
+    out: dict[str, Any] = ranks.attention_replica(connection, **kwargs)
+    for result in out.values():
+        if 1 in result.last_hidden:
+            result.last_hidden[1][0] = math.nan
+    return out
+
+
+def near_tie_replica(connection: Connection, **kwargs: Any) -> dict[str, Any]:
+    """Every token whose top-k is within a quarter of the bfloat16 tie margin of a tie (by
+    this replica's own scores) takes its (k+1)-th expert instead of its k-th: what another
+    rounding could have chosen."""
+    threshold = TIE_MARGIN["bfloat16"] / 4
+
+    def swap_near_ties(layer: int, selection: Selection) -> torch.Tensor:
+        ids = selection.ids.clone()
+        k = ids.shape[1]
+        near = selection.near_ties(threshold)
+        ids[near, k - 1] = selection.choice.topk(k + 1, dim=-1).indices[near, k]
+        return ids
+
+    _with_plant(lambda n: swap_near_ties)
+    result: dict[str, Any] = ranks.attention_replica(connection, **kwargs)
+    return result

@@ -1,0 +1,311 @@
+"""afd run's verification, without processes: non-finite outputs, a planted wrong expert, a
+planted near tie, the report's JSON, and the replay reuse -- each against a "run" that is
+the monolithic model itself with the planted routing (so the expected outcome is known)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from afd_models import KVCache, MonolithicModel, PromptChunk, RandomWeights, Selection
+from afd_models import preset as make_preset
+from afd_tools.run import verify as verify_module
+from afd_tools.run.ranks import ModeResult
+from afd_tools.run.routing import RoutingLog, TieFollower
+from afd_tools.run.verify import (
+    TIE_MARGIN,
+    RequestCheck,
+    RoutingCounts,
+    Verdict,
+    WrongExpert,
+    check_request,
+    replay_replica,
+    verify,
+)
+
+SEED = 5
+MARGIN = TIE_MARGIN["float32"]
+STEPS = [
+    [(0, 0, 6, True), (1, 0, 4, False)],
+    [(1, 4, 9, True), (2, 0, 5, True)],
+]
+"""Two steps: request 1 is prefilled in two chunks."""
+Plant = Callable[[int, Selection], torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def model() -> MonolithicModel:
+    return MonolithicModel(make_preset("tiny"), RandomWeights(SEED))
+
+
+def prompts(model: MonolithicModel) -> dict[int, torch.Tensor]:
+    gen = torch.Generator().manual_seed(SEED)
+    return {rid: torch.randint(0, model.config.vocab_size, (n,), generator=gen) for rid, n in
+            ((0, 6), (1, 9), (2, 5))}  # fmt: skip
+
+
+def run_steps(model: MonolithicModel, plant: Plant | None = None) -> ModeResult:
+    """What a replica of the monolithic model records, with ``plant`` choosing its experts."""
+    tokens = prompts(model)
+    log = RoutingLog(model.config.moe_layers)
+    result = ModeResult()
+
+    def choose(layer: int, selection: Selection) -> torch.Tensor:
+        if plant is not None:
+            selection = dataclasses.replace(selection, ids=plant(layer, selection))
+        return log(layer, selection)
+
+    cache = KVCache()
+    for step in STEPS:
+        entries = [PromptChunk(r, tokens[r][b:e], b, final) for r, b, e, final in step]
+        out = model.forward(entries, compute_logits=False, cache=cache, select=choose)
+        result.steps.append(step)
+        result.routing.append(log.take())
+        last = out.last_hidden_states().float()
+        for row, (rid, _, _, final) in enumerate(step):
+            if final:
+                result.last_hidden[rid] = last[row].clone()
+    return result
+
+
+def checks_of(
+    model: MonolithicModel, result: ModeResult, margin: float = MARGIN
+) -> dict[int, RequestCheck]:
+    return verify(model, [(["async"], [], [{"async": result}], [])], prompts(model), margin)[
+        "async"
+    ]
+
+
+def swap_worst(layer: int, token_row: int, at_step: int) -> Plant:
+    """At ``layer`` of step ``at_step``, the token in ``token_row`` gets its lowest-scoring
+    expert instead of its k-th: far from any tie."""
+    calls = {"n": 0}
+    layers = make_preset("tiny").moe_layers
+
+    def plant(now: int, selection: Selection) -> torch.Tensor:
+        step = calls["n"] // len(layers)
+        calls["n"] += 1
+        ids = selection.ids.clone()
+        if now == layer and step == at_step:
+            ids[token_row, -1] = selection.scores[token_row].argmin()
+        return ids
+
+    return plant
+
+
+def test_the_monolithic_run_matches_exactly_with_no_ties_followed(model: MonolithicModel) -> None:
+    checks = checks_of(model, run_steps(model))
+    assert set(checks) == {0, 1, 2}
+    for check in checks.values():
+        assert check.error == 0.0
+        assert check.problem(1e-5) is None
+        assert check.routing.followed == 0
+        assert check.routing.wrong == 0
+
+
+def test_a_planted_wrong_expert_fails_naming_the_layer_and_the_token(
+    model: MonolithicModel,
+) -> None:
+    """Request 1's token at position 6 (row 2 of the second step) goes to its worst expert
+    at the last MoE layer. Its final state is unchanged -- after the last layer no later
+    token attends to it -- so only the routing check can see it."""
+    checks = checks_of(model, run_steps(model, swap_worst(2, 2, 1)))
+    problem = checks[1].problem(1e-5)
+    assert problem is not None
+    assert problem.startswith("wrong expert at layer 2: token 6 went to experts ")
+    assert "with no near tie" in problem
+    assert problem.endswith("; 1 such token-layer decisions")
+    assert checks[1].error <= 1e-5  # the numbers alone would have passed
+    assert checks[0].problem(1e-5) is None
+    assert checks[2].problem(1e-5) is None
+
+
+def near_tie_plant(threshold: float) -> Plant:
+    """Every token whose top-k is within ``threshold`` of a tie takes its (k+1)-th expert
+    instead of its k-th (what another rounding would have chosen)."""
+
+    def plant(layer: int, selection: Selection) -> torch.Tensor:
+        ids = selection.ids.clone()
+        k = ids.shape[1]
+        near = selection.near_ties(threshold)
+        ids[near, k - 1] = selection.choice.topk(k + 1, dim=-1).indices[near, k]
+        return ids
+
+    return plant
+
+
+def smallest_gaps(model: MonolithicModel) -> list[float]:
+    """Every routing decision's tie gap in the plain run, smallest first."""
+    gaps: list[float] = []
+
+    def keep(layer: int, selection: Selection) -> torch.Tensor:
+        gaps.extend(selection.tie_gaps().tolist())
+        return selection.ids
+
+    tokens = prompts(model)
+    cache = KVCache()
+    for step in STEPS:
+        entries = [PromptChunk(r, tokens[r][b:e], b, final) for r, b, e, final in step]
+        model.forward(entries, compute_logits=False, cache=cache, select=keep)
+    return sorted(gaps)
+
+
+def test_a_planted_near_tie_is_followed_counted_and_passes(model: MonolithicModel) -> None:
+    """The run flips its k-th and (k+1)-th experts wherever its top-k is within a margin of
+    a tie (three decisions); with that margin the reference follows every one, matches
+    exactly and counts them; with a margin below them they are wrong experts; and with the
+    reference's own routing (the old check) the outputs differ by about a percent."""
+    gaps = smallest_gaps(model)
+    margin = (gaps[2] + gaps[3]) / 2
+    result = run_steps(model, near_tie_plant(margin))
+    checks = checks_of(model, result, margin)
+    followed = sum(c.routing.followed for c in checks.values())
+    assert followed >= 1
+    assert followed == sum(c.routing.near_ties for c in checks.values())
+    largest = max(c.routing.largest_followed_gap for c in checks.values())
+    assert gaps[0] <= largest <= margin
+    for check in checks.values():
+        assert check.problem(1e-5) is None
+        assert check.error == 0.0
+    strict = checks_of(model, result, gaps[0] / 2)
+    assert sum(c.routing.wrong for c in strict.values()) >= 1
+    assert any(c.problem(1e-5) for c in strict.values())
+    ignored = replay_replica(model, prompts(model), result.steps, None, margin)
+    assert not ignored.agrees_with(result.routing)
+    errors = [check_request(h, ignored.outputs[r]).error for r, h in result.last_hidden.items()]
+    assert max(errors) > 1e-3  # a few percent (1.3e-2 here) from three flipped decisions
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("side", ["run", "reference"])
+def test_a_non_finite_output_fails_naming_the_side(bad: float, side: str) -> None:
+    good = torch.ones(16)
+    planted = good.clone()
+    planted[3] = bad
+    out, reference = (planted, good) if side == "run" else (good, planted)
+    check = check_request(out, reference)
+    assert check.error == math.inf
+    problem = check.problem(1e99)  # no tolerance lets it pass
+    word = "NaN" if math.isnan(bad) else "inf"
+    holder = "the run's output" if side == "run" else "the reference"
+    counts = "1 NaN and 0 inf" if word == "NaN" else "0 NaN and 1 inf"
+    assert problem == f"not finite: {holder} holds {counts} of 16 values"
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses NaN and Infinity (which Python would otherwise accept)."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"invalid JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_report_names_failures_in_valid_json_and_one_line() -> None:
+    wrong = WrongExpert(layer=2, position=6, run=(1, 7), reference=(1, 4), gap=0.25)
+    checks = {
+        "async": {
+            0: check_request(torch.tensor([1.0, math.nan]), torch.ones(2)),
+            1: RequestCheck(0.0, routing=RoutingCounts(near_ties=4, followed=1)),
+            2: RequestCheck(1e-3, routing=RoutingCounts(wrong=1, first_wrong=wrong)),
+        },
+        "sync": {0: RequestCheck(3e-2), 1: RequestCheck(1e-6)},
+    }
+    verdict = Verdict(checks, tolerance=2e-2, margin=2.0**-6)
+    data = strict_json(json.dumps(verdict.as_json(), allow_nan=False))
+    assert data["verification_failures"] == {"async": [0, 2], "sync": [0]}
+    assert data["verification_errors"] == {"async": {"0": None, "2": 1e-3}, "sync": {"0": 3e-2}}
+    reasons = data["verification_reasons"]
+    assert reasons["async"]["0"] == "not finite: the run's output holds 1 NaN and 0 inf of 2 values"
+    assert reasons["async"]["2"].startswith(
+        "wrong expert at layer 2: token 6 went to experts [1, 7]"
+    )
+    assert reasons["sync"]["0"] == "relative error 3.00e-02"
+    assert data["verification_worst"]["async"] == {
+        "request": 0,
+        "relative_error": None,
+        "problem": reasons["async"]["0"],
+    }
+    assert data["verification_worst"]["sync"]["request"] == 0
+    assert data["verification_near_ties"]["async"] == {
+        "decisions": 4,
+        "followed": 1,
+        "largest_followed_gap": 0.0,
+        "requests": {"1": {"near_ties": 4, "followed": 1}},
+    }
+    assert data["verification_tie_margin"] == 2.0**-6
+    line = verdict.fail_line()
+    assert line.startswith("FAIL: outputs differ from the monolithic reference (tolerance 2e-02")
+    assert "async: request 0 (not finite: the run's output holds 1 NaN" in line
+    assert "request 2 (wrong expert at layer 2: token 6" in line
+    assert "sync: request 0 (relative error 3.00e-02)" in line
+
+
+def test_the_pass_line_gives_the_worst_error_and_the_near_ties() -> None:
+    checks = {
+        "async": {
+            0: RequestCheck(
+                2e-3, routing=RoutingCounts(near_ties=5, followed=2, largest_followed_gap=3e-3)
+            )
+        },
+        "sync": {0: RequestCheck(4e-3)},
+    }
+    line = Verdict(checks, 2e-2, 2.0**-6).pass_line()
+    assert "(tolerance 2e-02; worst 4.0e-03, request 0 in sync)" in line
+    assert "decisions: async 5 (2 followed, largest gap 3.0e-03), sync 0 (0 followed)" in line
+
+
+def test_a_replay_is_reused_only_for_a_run_that_routed_alike(
+    model: MonolithicModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bool] = []
+    original = verify_module.replay_replica
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "replay_replica", counted)
+    plain = run_steps(model)
+    planted = run_steps(model, swap_worst(1, 0, 0))
+    values = [{"async": plain, "sync": plain, "colocated": planted}]
+    checks = verify(
+        model, [(["async", "sync", "colocated"], [], values, [])], prompts(model), MARGIN
+    )
+    assert len(calls) == 2  # async replayed, sync reused, colocated routed otherwise
+    assert checks["async"] == checks["sync"]
+    assert checks["colocated"][0].routing.first_wrong is not None
+
+
+def test_the_routing_log_joins_stages_in_row_order(model: MonolithicModel) -> None:
+    tokens = [list(range(3, 14)), [7, 8, 9]]
+    whole, staged = RoutingLog(model.config.moe_layers), RoutingLog(model.config.moe_layers)
+    model.forward(tokens, select=whole)
+    model.forward(tokens, num_stages=3, select=staged)
+    one, three = whole.take(), staged.take()
+    assert one.dtype == torch.int32
+    assert one.shape == (len(model.config.moe_layers), 14, model.config.num_experts_per_tok)
+    assert torch.equal(one, three)
+
+
+def test_the_follower_refuses_a_record_of_another_shape(model: MonolithicModel) -> None:
+    k = model.config.num_experts_per_tok
+    wrong = torch.zeros(len(model.config.moe_layers), 3, k, dtype=torch.int32)
+    hook = TieFollower(model.config.moe_layers, MARGIN, wrong)
+    with pytest.raises(RuntimeError, match=r"recorded routing of shape \(2, 3, 2\)"):
+        model.forward([[1, 2, 3, 4]], select=hook)
+
+
+def test_json_safe_writes_non_finite_floats_as_strings() -> None:
+    from afd_tools.run.outputs import json_safe
+
+    report = {"a": [1.0, math.nan, (math.inf, -math.inf)], "b": {"c": 2}, "d": "x"}
+    safe = json_safe(report)
+    assert safe == {"a": [1.0, "nan", ["inf", "-inf"]], "b": {"c": 2}, "d": "x"}
+    assert strict_json(json.dumps(safe, allow_nan=False)) == safe
