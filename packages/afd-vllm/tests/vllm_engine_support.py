@@ -54,9 +54,10 @@ def free_port() -> int:
 
 
 def reference(model: str, prompts: list[str], out: str) -> None:
-    """Greedy tokens and their logprobs from plain vLLM (fp32, eager, no afd): what the
-    afd deployment must reproduce. Eager because only its outputs matter here and its
-    compilation would cost a minute per model on two cores; the afd side runs compiled."""
+    """Greedy tokens and their logprobs from plain vLLM (fp32, compiled, no afd): what the
+    afd deployment must reproduce. Compiled, as the afd side runs: vLLM's CPU platform
+    mis-rotates DeepSeek's 3-D query in eager mode (which afd-vllm refuses for that
+    reason)."""
     import gc
 
     from vllm import LLM, SamplingParams
@@ -67,7 +68,6 @@ def reference(model: str, prompts: list[str], out: str) -> None:
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=BATCHED_TOKENS,
         attention_backend="CPU_MLA",
-        enforce_eager=True,
         seed=0,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
