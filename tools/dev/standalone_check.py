@@ -40,6 +40,10 @@ GETS_TEST_EXTRAS = ("afd-transport-nvshmem",)
 """Packages whose clean venv also gets ``$TEST_EXTRAS`` (the NVSHMEM host library and
 Triton: its CPU tests load the one and run the other's interpreter; large and GPU-side, so
 not declared dependencies)."""
+SHARDS = {"tools": ("test_run.py",)}
+"""Packages whose tests run as two pytest processes side by side in their clean venv (the
+files named, then the rest): the tools' tests are the longest (~300 s alone), and split in
+halves of about equal time they end with the other packages instead of after them."""
 
 
 def sh(
@@ -115,31 +119,51 @@ def check(package_dir: Path, log: Path) -> tuple[str, str]:
         with log.open("a") as out:
             out.write(where.stdout + where.stderr)
         return "import", f"{module} does not import from the clean venv"
-    tests = package_dir / "tests"
-    if not sh(
-        [
-            str(py),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "not timing",
-            "-c",
-            str(REPO / "pyproject.toml"),
-            "--rootdir",
-            str(REPO),
-            str(tests),
-        ],
-        log,
-        cwd=WORK,
-        # its own shared-memory namespace: the leak checks of the package tested beside it
-        # must not count this one's segments
-        env={"AFD_SHM_NAMESPACE": module},
-    ):
-        return "tests", "its tests failed in the clean venv"
+    shards = test_shards(package_dir / "tests", SHARDS.get(name, ()))
+
+    def run_shard(index: int, selection: list[str]) -> bool:
+        shard_log = log if len(shards) == 1 else log.with_suffix(f".shard{index}.log")
+        return sh(
+            [
+                str(py),
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "not timing",
+                "-c",
+                str(REPO / "pyproject.toml"),
+                "--rootdir",
+                str(REPO),
+                *selection,
+            ],
+            shard_log,
+            cwd=WORK,
+            # its own shared-memory namespace: the leak checks of the tests run beside
+            # these must not count their segments
+            env={"AFD_SHM_NAMESPACE": f"{module}{index}"},
+        )
+
+    with ThreadPoolExecutor(len(shards)) as pool:
+        passed = list(pool.map(run_shard, range(len(shards)), shards))
+    if not all(passed):
+        failed = [f"shard {i} ({' '.join(shards[i])})" for i, ok in enumerate(passed) if not ok]
+        return "tests", f"its tests failed in the clean venv: {', '.join(failed)}"
     return "ok", "wheel built, installed alone, imported, tests passed"
+
+
+def test_shards(tests: Path, first: tuple[str, ...]) -> list[list[str]]:
+    """pytest arguments for each shard of ``tests``: the files in ``first``, then the rest
+    (every file once); one shard of everything when ``first`` is empty."""
+    if not first:
+        return [[str(tests)]]
+    missing = [f for f in first if not (tests / f).is_file()]
+    if missing:
+        raise SystemExit(f"SHARDS names test files that do not exist in {tests}: {missing}")
+    rest = [str(tests)] + [f"--ignore={tests / f}" for f in first]
+    return [[str(tests / f) for f in first], rest]
 
 
 def main(argv: list[str]) -> int:
@@ -190,8 +214,9 @@ def main(argv: list[str]) -> int:
         outcomes = list(pool.map(one, order))
     failures = [d for d, stage, _, _ in outcomes if stage != "ok"]
     for d in failures:
-        print(f"--- {d.name} (build/standalone/logs/{d.name}.log, last 4000 characters) ---")
-        print((LOGS / f"{d.name}.log").read_text()[-4000:])
+        for log_file in sorted(LOGS.glob(f"{d.name}.*log")):  # NAME.log, NAME.shardK.log
+            print(f"--- {d.name} ({log_file.relative_to(REPO)}, last 4000 characters) ---")
+            print(log_file.read_text()[-4000:])
     if failures:
         print(f"{len(failures)} package(s) do not stand alone; the logs above name the step.")
     print(f"standalone check: {time.perf_counter() - started:.0f} s", flush=True)
