@@ -40,7 +40,7 @@ GETS_TEST_EXTRAS = ("afd-transport-nvshmem",)
 """Packages whose clean venv also gets ``$TEST_EXTRAS`` (the NVSHMEM host library and
 Triton: its CPU tests load the one and run the other's interpreter; large and GPU-side, so
 not declared dependencies)."""
-SHARDS = {"tools": ("test_run.py",)}
+SHARDS = {"afd-tools": ("test_run.py",)}
 """Packages whose tests run as two pytest processes side by side in their clean venv (the
 files named, then the rest): the tools' tests are the longest (~300 s alone), and split in
 halves of about equal time they end with the other packages instead of after them."""
