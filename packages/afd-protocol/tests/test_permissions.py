@@ -3,6 +3,7 @@ are 0600, rendezvous directories 0700, and the TCP store listens on loopback onl
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import socket
 import stat
@@ -40,7 +41,9 @@ def test_the_launchers_rendezvous_directory_is_private(tmp_path: Path, monkeypat
     specs = [RankSpec(role, 0, workers.report_rendezvous_mode) for role in Role]
     results = launch(window, specs, timeout=120)
     assert {r.value for r in results.values()} == {0o700}
-    assert list(tmp_path.iterdir()) == []  # removed afterwards
+    # removed afterwards; what may remain is multiprocessing's directory for the fork
+    # server's socket, which lives as long as this process (test_launch_fork_server.py)
+    assert set(tmp_path.iterdir()) <= {Path(multiprocessing.util.get_temp_dir())}
 
 
 def _listening(port: int) -> list[str]:
