@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -138,6 +139,54 @@ def test_bench_rejects_arguments_it_cannot_measure(capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert "--iterations must be >= 200" in err
     assert "--max-bytes must be >= 4096" in err
+
+
+def test_the_registry_holds_every_afd_transport_and_each_has_a_bench() -> None:
+    from afd_protocol import DeviceSharing, available_transports
+    from afd_tools.bench.cli import TRANSPORT_BENCHES
+
+    transports = available_transports()
+    assert {name: t.devices for name, t in transports.items()} == {
+        "shm": {"cpu", "cuda"},
+        "nvshmem": {"cuda"},
+        "cam-emulator": {"cpu"},
+    }
+    assert list(transports) == ["shm", "nvshmem", "cam-emulator"]
+    assert transports["nvshmem"].device_sharing is DeviceSharing.MPS
+    assert set(TRANSPORT_BENCHES) >= set(transports)
+
+
+@pytest.mark.parametrize("name", ["bogus", "host"])  # host: the old name of shm, gone
+def test_bench_refuses_a_transport_the_registry_does_not_hold(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "transport", "--backend", name]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"afd bench transport: error: unknown transport {name!r}; the installed ones are: "
+        "shm, nvshmem, cam-emulator"
+    ]
+
+
+def test_run_names_the_package_of_a_transport_that_is_not_installed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from importlib import metadata
+
+    shm = metadata.EntryPoint(
+        "shm", "afd_protocol.shm_registration:SHM_TRANSPORT", "afd.transports"
+    )
+    real = metadata.entry_points
+
+    def only_shm(**params: Any) -> Any:
+        return [shm] if params.get("group") == "afd.transports" else real(**params)
+
+    monkeypatch.setattr(metadata, "entry_points", only_shm)
+    argv = ["run", "--device", "cpu", "--transport", "cam-emulator", "--no-progress"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "afd run: error: transport 'cam-emulator' is not installed: pip install "
+        "afd-transport-cam (installed here: shm)"
+    ]
 
 
 def test_soak_judges_growth_from_the_samples() -> None:

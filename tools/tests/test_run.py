@@ -144,6 +144,11 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
         ),
         (["--plot", "."], ". is a directory; give a file name to write to"),
         (["--transport", "nvshmem"], "--transport nvshmem needs --device cuda"),
+        (
+            ["--transport", "bogus"],
+            "unknown transport 'bogus'; the installed ones are: shm, nvshmem, cam-emulator",
+        ),
+        (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
         (["--stages", "0"], "--stages must be >= 1, got 0"),
         (["--tie-margin", "nan"], "--tie-margin must be within [0, 1], got nan"),
         (
@@ -152,7 +157,7 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
         ),
         (
             ["--transport", "cam-emulator", "--shared", "ffn"],
-            "--transport cam-emulator carries routed experts only: use --shared attention",
+            "--transport cam-emulator needs --shared attention",
         ),
         (
             ["--transport", "cam-emulator", "--ffn-ranks", "3"],

@@ -97,7 +97,7 @@ def test_role_split_chunks_equal_the_monolithic_model() -> None:
     failures: list[BaseException] = []
 
     def serve(rank: int) -> None:
-        endpoint = world.transport(Role.FFN, rank).ffn_endpoint(options)
+        endpoint = world.connection(Role.FFN, rank).ffn_endpoint(options)
         executor = FFNRoleExecutor(config, endpoint.local_experts, RandomWeights(3))
         try:
             executor.serve(endpoint)
@@ -107,7 +107,7 @@ def test_role_split_chunks_equal_the_monolithic_model() -> None:
     threads = [threading.Thread(target=serve, args=(r,), daemon=True) for r in range(2)]
     for t in threads:
         t.start()
-    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(options)
+    endpoint = world.connection(Role.ATTENTION, 0).attention_endpoint(options)
     model = AttentionRoleModel(config, RandomWeights(3))
     prompts = {
         "long": prompt(BUDGET * 8, 7, config.vocab_size),

@@ -68,7 +68,7 @@ def serve_in_threads(
     results: dict[int, Any] = {}
 
     def serve(rank: int) -> None:
-        endpoint = world.transport(Role.FFN, rank).ffn_endpoint(EndpointOptions(timeout=20.0))
+        endpoint = world.connection(Role.FFN, rank).ffn_endpoint(EndpointOptions(timeout=20.0))
         executor = FFNRoleExecutor(
             config,
             endpoint.local_experts,
@@ -107,7 +107,7 @@ def test_replica_of_two_participants_and_grouped_mm_ffn(wire: str, reduce: str) 
     outputs: dict[int, Any] = {}
 
     def attend(rank: int) -> None:
-        endpoint = world.transport(Role.ATTENTION, rank).attention_endpoint(
+        endpoint = world.connection(Role.ATTENTION, rank).attention_endpoint(
             EndpointOptions(timeout=20.0)
         )
         model = AttentionRoleModel(config, RandomWeights(SEED), shared_placement="ffn")
@@ -140,7 +140,7 @@ def test_float16_with_shared_experts_on_the_ffn_side() -> None:
     assert config.routed_scaling_factor != 1.0
     world = LoopbackWorld(window_for("v3-mini", 1, 2, dtype="float16", shared="ffn"))
     threads, served = serve_in_threads(world, "v3-mini", torch.float16, "ffn", "reference")
-    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=20.0))
+    endpoint = world.connection(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=20.0))
     model = AttentionRoleModel(
         config, RandomWeights(SEED), dtype=torch.float16, shared_placement="ffn"
     )
@@ -159,7 +159,7 @@ def test_float16_with_shared_experts_on_the_ffn_side() -> None:
 
 def test_window_dtype_must_match_the_model() -> None:
     world = LoopbackWorld(window_for("tiny", 1, 1, dtype="bfloat16"))
-    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
+    endpoint = world.connection(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     model = AttentionRoleModel(make_preset("tiny"))
     with pytest.raises(ConfigError, match=r"window carries torch\.bfloat16"):
         model.forward([[1, 2, 3]], endpoint)
@@ -167,7 +167,7 @@ def test_window_dtype_must_match_the_model() -> None:
 
 def test_shared_placement_must_match_the_window() -> None:
     world = LoopbackWorld(window_for("tiny", 1, 1, shared="ffn"))
-    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
+    endpoint = world.connection(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     model = AttentionRoleModel(make_preset("tiny"), shared_placement="attention")
     with pytest.raises(ConfigError, match="shared_placement is 'ffn'"):
         model.forward([[1, 2, 3]], endpoint)
@@ -175,7 +175,7 @@ def test_shared_placement_must_match_the_window() -> None:
 
 def test_stages_need_a_ring_slot_each() -> None:
     world = LoopbackWorld(window_for("tiny", 1, 1, ring_depth=1))
-    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
+    endpoint = world.connection(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     model = AttentionRoleModel(make_preset("tiny"))
     with pytest.raises(RingExhausted, match="ring exhausted"):
         model.forward([[1, 2, 3, 4]], endpoint, num_stages=2)
@@ -188,9 +188,9 @@ def dispatch_one(world: LoopbackWorld, layer: int, tokens: int = 5) -> FFNEndpoi
     x = torch.randn(tokens, slot.hidden_size, generator=gen)
     ids = torch.zeros(tokens, slot.topk, dtype=torch.long)
     ids += torch.arange(slot.topk)
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=1.0))
     attention.dispatch(layer, x, ids, torch.ones(tokens, slot.topk))
-    return world.transport(Role.FFN, 0).ffn_endpoint(EndpointOptions(timeout=1.0))
+    return world.connection(Role.FFN, 0).ffn_endpoint(EndpointOptions(timeout=1.0))
 
 
 def test_ffn_executor_rejects_what_its_config_cannot_serve() -> None:

@@ -199,14 +199,14 @@ def test_the_role_split_dispatches_what_the_hook_returns() -> None:
     served: list[object] = []
 
     def serve(rank: int) -> None:
-        endpoint = world.transport(Role.FFN, rank).ffn_endpoint(EndpointOptions(timeout=20.0))
+        endpoint = world.connection(Role.FFN, rank).ffn_endpoint(EndpointOptions(timeout=20.0))
         executor = FFNRoleExecutor(config, endpoint.local_experts, RandomWeights(SEED))
         served.append(executor.serve(endpoint))
 
     threads = [threading.Thread(target=serve, args=(r,), daemon=True) for r in (0, 1)]
     for t in threads:
         t.start()
-    endpoint = world.transport(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=20.0))
+    endpoint = world.connection(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=20.0))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [400, 3, 2]]
     model = AttentionRoleModel(config, RandomWeights(SEED))
     try:

@@ -17,22 +17,22 @@ import torch
 
 from afd_protocol import EndpointOptions, WorkItem, relative_error, serve, torch_dtype
 from afd_protocol.testing import LinearExperts
-from afd_protocol.window import SequenceCounter, WindowTransport, flag_words
+from afd_protocol.window import SequenceCounter, WindowConnection, flag_words
 
 
-def experts_for(transport: WindowTransport, seed: int, layers: int) -> LinearExperts:
-    slot = transport.layout
+def experts_for(connection: WindowConnection, seed: int, layers: int) -> LinearExperts:
+    slot = connection.layout
     return LinearExperts(layers, slot.topology.num_experts, slot.hidden_size, seed)
 
 
-def start_sequence_at(transport: WindowTransport, last: int | None) -> None:
+def start_sequence_at(connection: WindowConnection, last: int | None) -> None:
     """Make this rank's next message carry sequence number ``last + 1`` (wrap tests)."""
     if last is not None:
-        transport.sequence = SequenceCounter(last)
+        connection.transport.sequence = SequenceCounter(last)
 
 
 def ffn_linear(
-    transport: WindowTransport,
+    connection: WindowConnection,
     *,
     seed: int,
     layers: int,
@@ -44,9 +44,9 @@ def ffn_linear(
 ) -> dict[str, Any]:
     """Serve work items with linear experts until every attention rank shuts down (or,
     with ``die_after``, send itself ``die_by`` after that many items)."""
-    start_sequence_at(transport, last_seq)
-    ep = transport.ffn_endpoint(EndpointOptions(timeout=timeout))
-    experts = experts_for(transport, seed, layers)
+    start_sequence_at(connection, last_seq)
+    ep = connection.ffn_endpoint(EndpointOptions(timeout=timeout))
+    experts = experts_for(connection, seed, layers)
     linear = experts.compute_for(ep)
     computed = 0
 
@@ -62,12 +62,12 @@ def ffn_linear(
     return {
         "served": served,
         "protocol_errors": stats.protocol_errors,
-        "last_seq": transport.sequence.last,
+        "last_seq": connection.transport.sequence.last,
     }
 
 
 def attention_linear(
-    transport: WindowTransport,
+    connection: WindowConnection,
     *,
     seed: int,
     layers: int,
@@ -78,10 +78,11 @@ def attention_linear(
     last_seq: int | None = None,
 ) -> dict[str, Any]:
     """Dispatch ``jobs`` (``in_flight`` at a time), combine, check against a reference."""
-    start_sequence_at(transport, last_seq)
-    ep = transport.attention_endpoint(EndpointOptions(timeout=timeout))
-    experts = experts_for(transport, seed, layers)
-    slot = transport.layout
+    start_sequence_at(connection, last_seq)
+    ep = connection.attention_endpoint(EndpointOptions(timeout=timeout))
+    experts = experts_for(connection, seed, layers)
+    transport = connection.transport
+    slot = connection.layout
     dtype = torch_dtype(slot.dtype)
     shared_on_ffn = slot.shared_placement.value == "ffn"
     gen = torch.Generator().manual_seed(seed * 1000 + transport.rank)
@@ -120,10 +121,10 @@ def attention_linear(
     }
 
 
-def attention_forever(transport: WindowTransport, *, timeout: float) -> None:
+def attention_forever(connection: WindowConnection, *, timeout: float) -> None:
     """Keep dispatching and combining until something fails (for the fault tests)."""
-    ep = transport.attention_endpoint(EndpointOptions(timeout=timeout))
-    slot = transport.layout
+    ep = connection.attention_endpoint(EndpointOptions(timeout=timeout))
+    slot = connection.layout
     gen = torch.Generator().manual_seed(0)
     dtype = torch_dtype(slot.dtype)
     while True:

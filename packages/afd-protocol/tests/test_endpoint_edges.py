@@ -142,7 +142,7 @@ def assert_reference(
 
 def test_every_dispatch_refusal_says_what_to_change_and_keeps_the_ring() -> None:
     world = world_of()
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(BOUNDED)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(BOUNDED)
     x, ids, w = inputs(ROUTING)
     meta = torch.device("meta")
     refusals = [
@@ -193,7 +193,7 @@ def test_every_dispatch_refusal_says_what_to_change_and_keeps_the_ring() -> None
 
 def test_dispatch_after_shutdown_and_kernel_options_without_kernels_are_refused() -> None:
     world = world_of()
-    transport = world.transport(Role.ATTENTION, 0)
+    connection = world.connection(Role.ATTENTION, 0)
     with pytest.raises(
         InvalidArgument,
         match=exactly(
@@ -202,8 +202,8 @@ def test_dispatch_after_shutdown_and_kernel_options_without_kernels_are_refused(
             "device_pack=None)"
         ),
     ):
-        transport.attention_endpoint(WindowOptions(combine="fused"))
-    attention = transport.attention_endpoint(FAST)
+        connection.attention_endpoint(WindowOptions(combine="fused"))
+    attention = connection.attention_endpoint(FAST)
     attention.announce_shutdown()
     with pytest.raises(ConnectorShutdown, match=exactly("dispatch after announce_shutdown()")):
         attention.dispatch(0, *inputs(ROUTING))
@@ -257,8 +257,8 @@ def dispatched(
     """Two FFN ranks; attention rank 0 sends layer 1 (routed rows to FFN rank 0 only,
     shared rows to both), and FFN rank 0 takes it."""
     world = world_of(f=2)
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(options)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(options)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(options)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(options)
     handle = attention.dispatch(1, *inputs(ROUTING))
     assert handle.ffn_ranks == (0, 1)
     ffn.next_work_item()
@@ -360,7 +360,7 @@ def test_a_dispatch_that_contradicts_its_slot_is_refused(
     changes: dict[str, object], flag: int | None, complaint: str
 ) -> None:
     world = world_of(a=2, f=2)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(BOUNDED)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(BOUNDED)
     plant(world, (Role.FFN, 0), 0, 0, dispatch_header(0, 3, **changes), flag)
     with pytest.raises(
         ProtocolError, match=exactly(f"FFN rank 0: slot from attention rank 0 (ring 0){complaint}")
@@ -370,7 +370,7 @@ def test_a_dispatch_that_contradicts_its_slot_is_refused(
 
 def test_every_bad_slot_of_one_wait_is_reported_together() -> None:
     world = world_of(a=2, f=2)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(BOUNDED)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(BOUNDED)
     for src in range(2):
         plant(world, (Role.FFN, 0), src, 0, dispatch_header(src, 3), flag=5)
     with pytest.raises(
@@ -388,7 +388,7 @@ def test_a_layer_published_twice_before_its_answer_is_refused() -> None:
     again = "FFN rank 0: attention rank 0 published layer 1 stage 0 again before it was answered"
     # Waiting for the other participant of its replica: the first part is still pending.
     world = world_of(a=2, f=2, per_dp=2, ring_depth=2)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(BOUNDED)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(BOUNDED)
     plant(world, (Role.FFN, 0), 0, 0, dispatch_header(0, 1))
     with pytest.raises(PeerTimeout):
         ffn.next_work_item(timeout=0.01)
@@ -397,7 +397,7 @@ def test_a_layer_published_twice_before_its_answer_is_refused() -> None:
         ffn.next_work_item()
     # Taken and not yet answered.
     world = world_of(f=2, ring_depth=2)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(BOUNDED)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(BOUNDED)
     plant(world, (Role.FFN, 0), 0, 0, dispatch_header(0, 1))
     ffn.next_work_item()
     plant(world, (Role.FFN, 0), 0, 1, dispatch_header(0, 2))
@@ -407,8 +407,8 @@ def test_a_layer_published_twice_before_its_answer_is_refused() -> None:
 
 def test_a_work_item_part_carries_what_its_header_announced() -> None:
     world = world_of(f=2)
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(BOUNDED)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(BOUNDED)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(BOUNDED)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(BOUNDED)
     x, ids, w = inputs(ROUTING)
     attention.dispatch(3, x, ids, w, stage=1)
     item = ffn.next_work_item()
@@ -429,8 +429,8 @@ def test_a_work_item_part_carries_what_its_header_announced() -> None:
 
 def test_reply_refuses_missing_or_malformed_shared_outputs() -> None:
     world = world_of()
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(FAST)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(FAST)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(FAST)
     attention.dispatch(0, *inputs(ROUTING))
     item = ffn.next_work_item()
     assert (item.num_routed_rows, item.num_shared_rows) == (6, 3)
@@ -450,8 +450,8 @@ def test_reply_refuses_missing_or_malformed_shared_outputs() -> None:
 
 def test_one_reply_is_split_back_over_the_participants_of_a_replica() -> None:
     world = world_of(a=3, f=2, per_dp=3)
-    attention = [world.transport(Role.ATTENTION, r).attention_endpoint(FAST) for r in range(3)]
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
+    attention = [world.connection(Role.ATTENTION, r).attention_endpoint(FAST) for r in range(3)]
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
     experts = LinearExperts(2, 6, HIDDEN, seed=3)
     jobs = [
         inputs([[0, 4], [1, 2], [5, 0], [2, 3]], seed=1),
@@ -470,8 +470,8 @@ def test_one_reply_is_split_back_over_the_participants_of_a_replica() -> None:
 
 def test_a_bfloat16_window_combines_to_bfloat16() -> None:
     world = world_of(dtype="bfloat16")
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(FAST)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(FAST)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(FAST)
     experts = LinearExperts(1, 6, HIDDEN, seed=4)
     x, ids, w = inputs(ROUTING, dtype=torch.bfloat16)
     handle = attention.dispatch(0, x, ids, w)
@@ -485,8 +485,8 @@ def test_a_bfloat16_window_combines_to_bfloat16() -> None:
 
 def test_an_ffn_rank_closed_with_items_taken_and_parts_waiting_aborts() -> None:
     world = world_of(a=2)
-    attention = [world.transport(Role.ATTENTION, r).attention_endpoint(FAST) for r in range(2)]
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(FAST)
+    attention = [world.connection(Role.ATTENTION, r).attention_endpoint(FAST) for r in range(2)]
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(FAST)
     for ep in attention:
         ep.dispatch(0, *inputs(ROUTING))
     ffn.next_work_item()  # one replica's item in service, the other's part received
@@ -497,13 +497,14 @@ def test_an_ffn_rank_closed_with_items_taken_and_parts_waiting_aborts() -> None:
 
 def test_ffn_shutdown_is_announced_once_for_the_transport() -> None:
     world = world_of()
-    transport = world.transport(Role.FFN, 0)
-    ffn = transport.ffn_endpoint(FAST)
+    connection = world.connection(Role.FFN, 0)
+    transport = connection.transport
+    ffn = connection.ffn_endpoint(FAST)
     ffn.announce_shutdown()
     assert transport.shutdown_announced is True
     assert transport.sequence.last == 1
     ffn.close()
-    transport.ffn_endpoint(FAST).announce_shutdown()  # a later endpoint does not repeat it
+    connection.ffn_endpoint(FAST).announce_shutdown()  # a later endpoint does not repeat it
     assert transport.sequence.last == 1
 
 
@@ -551,8 +552,8 @@ def test_waits_are_given_the_time_left_of_their_own_limit() -> None:
 
 def test_a_reply_from_a_later_rank_is_taken_while_an_earlier_one_is_missing() -> None:
     world = world_of(f=2)
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(FAST)
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
     experts = LinearExperts(1, 6, HIDDEN, seed=5)
     x, ids, w = inputs([[0, 3], [1, 4], [2, 5]])
     handle = attention.dispatch(0, x, ids, w)
@@ -565,8 +566,8 @@ def test_a_reply_from_a_later_rank_is_taken_while_an_earlier_one_is_missing() ->
 
 def test_the_previous_reply_in_a_ring_is_not_taken_for_the_next_one() -> None:
     world = world_of()
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(FAST)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(FAST)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(FAST)
     experts = LinearExperts(2, 6, HIDDEN, seed=7)
     for layer in range(2):
         x, ids, w = inputs(ROUTING, seed=layer)
@@ -581,8 +582,8 @@ def test_the_previous_reply_in_a_ring_is_not_taken_for_the_next_one() -> None:
 
 def test_work_and_replies_that_arrive_during_a_wait_end_it() -> None:
     world = world_of()
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(FAST)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(FAST)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(FAST)
     experts = LinearExperts(1, 6, HIDDEN, seed=6)
     x, ids, w = inputs(ROUTING)
     handles = []

@@ -33,9 +33,11 @@ from afd_protocol.window import (
     LoopbackTransport,
     LoopbackWorld,
     WindowAttentionEndpoint,
+    WindowConnection,
     WindowFFNEndpoint,
     WindowKernels,
     WindowOptions,
+    abort_words,
     flag_words,
     reference_device_pack,
     reference_fused_combine,
@@ -66,10 +68,10 @@ def endpoints(
 ) -> tuple[list[WindowAttentionEndpoint], list[WindowFFNEndpoint]]:
     topo = world.window.slot.topology
     attn = [
-        world.transport(Role.ATTENTION, r).attention_endpoint(FAST)
+        world.connection(Role.ATTENTION, r).attention_endpoint(FAST)
         for r in range(topo.num_attention_ranks)
     ]
-    ffn = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(topo.num_ffn_ranks)]
+    ffn = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(topo.num_ffn_ranks)]
     return attn, ffn
 
 
@@ -332,24 +334,26 @@ def test_options_are_checked_when_made_and_fixed_afterwards() -> None:
 
 def test_one_open_endpoint_per_transport_and_a_closed_one_refuses_work() -> None:
     world = make_world(a=1, f=1, experts=4)
-    transport = world.transport(Role.ATTENTION, 0)
-    first = transport.attention_endpoint(FAST)
+    connection = world.connection(Role.ATTENTION, 0)
+    first = connection.attention_endpoint(FAST)
     with pytest.raises(InvalidArgument, match="already has an open endpoint"):
-        transport.attention_endpoint(FAST)
+        connection.attention_endpoint(FAST)
+    with pytest.raises(InvalidArgument, match="already has an open endpoint"):
+        WindowAttentionEndpoint(connection.transport, FAST)  # bound: the window, not the object
     first.close()
     first.close()  # idempotent
     with pytest.raises(InvalidArgument, match="was closed"):
         first.dispatch(0, *route(2, 3, list(range(4)), 40))
-    transport.attention_endpoint(FAST)  # the window is free again
+    connection.attention_endpoint(FAST)  # the window is free again
     with pytest.raises(InvalidArgument, match="role ffn"):
-        transport.ffn_endpoint(FAST)
+        connection.ffn_endpoint(FAST)
 
 
 def test_closing_with_work_in_progress_aborts_and_shutdown_outlives_the_endpoint() -> None:
     world = make_world(a=1, f=1, experts=4)
-    transport = world.transport(Role.ATTENTION, 0)
-    attention = transport.attention_endpoint(FAST)
-    ffn = world.transport(Role.FFN, 0).ffn_endpoint(FAST)
+    connection = world.connection(Role.ATTENTION, 0)
+    attention = connection.attention_endpoint(FAST)
+    ffn = world.connection(Role.FFN, 0).ffn_endpoint(FAST)
     attention.dispatch(0, *route(2, 3, list(range(4)), 41))
     attention.close()  # a dispatch in flight: its reply would reach nobody
     item = ffn.next_work_item()  # what was sent still arrives
@@ -358,11 +362,11 @@ def test_closing_with_work_in_progress_aborts_and_shutdown_outlives_the_endpoint
         ffn.next_work_item()
 
     world = make_world(a=1, f=1, experts=4)
-    transport = world.transport(Role.ATTENTION, 0)
-    first = transport.attention_endpoint(FAST)
+    connection = world.connection(Role.ATTENTION, 0)
+    first = connection.attention_endpoint(FAST)
     first.announce_shutdown()
     first.close()
-    second = transport.attention_endpoint(FAST)
+    second = connection.attention_endpoint(FAST)
     with pytest.raises(ConnectorShutdown):  # the peers were told: no endpoint may send now
         second.dispatch(0, *route(2, 3, list(range(4)), 42))
 
@@ -372,10 +376,10 @@ def test_an_endpoint_reopened_on_the_same_window_continues_its_sequence() -> Non
     endpoint on the same window neither reuses a sequence number nor misses a reply."""
     world = make_world(a=1, f=1, experts=4, ring_depth=2)
     experts = linear_experts(world)
-    transport = world.transport(Role.ATTENTION, 0)
-    (ffn,) = [world.transport(Role.FFN, 0).ffn_endpoint(FAST)]
+    connection = world.connection(Role.ATTENTION, 0)
+    (ffn,) = [world.connection(Role.FFN, 0).ffn_endpoint(FAST)]
     for round_ in range(3):
-        attention = transport.attention_endpoint(FAST)
+        attention = connection.attention_endpoint(FAST)
         x, ids, w = route(4, 3, list(range(4)), 50 + round_)
         handle = attention.dispatch(round_, x, ids, w)
         experts.reply_to(ffn, ffn.next_work_item())
@@ -384,7 +388,7 @@ def test_an_endpoint_reopened_on_the_same_window_continues_its_sequence() -> Non
             out.double(), experts.reference(round_, x, ids, w, False), rtol=1e-5, atol=1e-4
         )
         attention.close()
-    assert transport.sequence.last == 3
+    assert connection.transport.sequence.last == 3
 
 
 def test_a_combine_retried_after_a_timeout_waits_only_for_the_missing_rank() -> None:
@@ -419,7 +423,7 @@ def test_low_precision_payloads_are_refused_until_the_endpoints_send_them() -> N
     layout = SlotLayout(topo, HIDDEN, 8, 2, dtype="bfloat16", payload_dtype="float8_e4m3fn")
     world = LoopbackWorld(layout.window())
     with pytest.raises(TopologyError, match="low-precision payloads"):
-        world.transport(Role.ATTENTION, 0).attention_endpoint()
+        world.connection(Role.ATTENTION, 0).attention_endpoint()
 
 
 class CapturingTransport(LoopbackTransport):
@@ -445,9 +449,10 @@ class CapturingTransport(LoopbackTransport):
 
 def test_endpoints_decode_the_header_the_transport_captured() -> None:
     world = make_world(a=1, f=2)
-    attention = CapturingTransport(world, Role.ATTENTION, 0).attention_endpoint(FAST)
+    capturing = WindowConnection(CapturingTransport(world, Role.ATTENTION, 0))
+    attention = capturing.attention_endpoint(FAST)
     ffn_transports = [CapturingTransport(world, Role.FFN, r) for r in range(2)]
-    ffns = [t.ffn_endpoint(FAST) for t in ffn_transports]
+    ffns = [WindowConnection(t).ffn_endpoint(FAST) for t in ffn_transports]
     experts = linear_experts(world)
     x, ids, w = route(12, 3, list(range(7)), 9)
     handle = attention.dispatch(2, x, ids, w)
@@ -467,9 +472,9 @@ def test_endpoints_decode_the_header_the_transport_captured() -> None:
     # With capture_headers=False the endpoint copies the window's header, which the
     # capturing transport corrupted: the copy is what gets decoded, and it fails.
     world = make_world(a=1, f=1, experts=4)
-    attention = world.transport(Role.ATTENTION, 0).attention_endpoint(FAST)
-    ffn = CapturingTransport(world, Role.FFN, 0).ffn_endpoint(
-        WindowOptions(timeout=0.05, capture_headers=False)
+    attention = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    ffn = WindowFFNEndpoint(
+        CapturingTransport(world, Role.FFN, 0), WindowOptions(timeout=0.05, capture_headers=False)
     )
     attention.dispatch(0, *route(2, 3, list(range(4)), 10))
     with pytest.raises(ProtocolError, match="CHECKSUM"):
@@ -518,7 +523,7 @@ def test_fused_combine_agrees_with_the_per_rank_combine(shared: str) -> None:
     experts = linear_experts(world)
     transport = world.transport(Role.ATTENTION, 0)
     counting = CountingKernels()
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
     ffn0_and_1 = [e for r in (0, 1) for e in world.window.slot.topology.local_experts(r)]
     jobs = [
         (1, *route(20, 3, list(range(7)), 11)),
@@ -572,7 +577,7 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
     experts = linear_experts(world)
     counting = CountingKernels()
     attention = kernel_endpoint(world, counting, device_pack=True)
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
     topo = world.window.slot.topology
     ffn0_and_1 = [e for r in (0, 1) for e in topo.local_experts(r)]
     routed_cap = world.window.slot.routed_cap
@@ -608,7 +613,7 @@ def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(sha
 def test_device_pack_is_the_default_where_the_kernels_have_one() -> None:
     world = make_world(a=1, f=3, experts=7)
     experts = linear_experts(world)
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
     x, ids, w = route(5, 3, list(range(7)), 26)
     expected = experts.reference(0, x, ids, w, False)
     cases = [
@@ -629,7 +634,7 @@ def test_device_pack_is_the_default_where_the_kernels_have_one() -> None:
         kernel_endpoint(world, CountingKernels(device_pack=False), device_pack=True)
     with pytest.raises(InvalidArgument, match="device_pack must be None \\(auto\\), True or"):
         WindowOptions(device_pack="yes")  # type: ignore[arg-type]
-    plain = world.transport(Role.ATTENTION, 0)  # no kernels at all
+    plain = world.connection(Role.ATTENTION, 0)  # no kernels at all
     plain.attention_endpoint(FAST).close()  # the defaults need none
     for options in (WindowOptions(device_pack=True), WindowOptions(combine="fused")):
         with pytest.raises(InvalidArgument, match="need device kernels"):
@@ -644,7 +649,7 @@ def test_topk_ids_of_the_wrong_rank_are_an_invalid_argument_on_every_path(
     transport = world.transport(Role.ATTENTION, 0)
     counting = CountingKernels()
     makers = [
-        lambda: transport.attention_endpoint(FAST),
+        lambda: WindowConnection(transport).attention_endpoint(FAST),
         lambda: KernelAttentionEndpoint(transport, FAST, counting.kernels),
         lambda: KernelAttentionEndpoint(
             transport, WindowOptions(timeout=0.05, device_pack=True), counting.kernels
@@ -664,7 +669,7 @@ def test_a_packed_dispatch_combine_can_be_retried_after_the_kernel_failed() -> N
     experts = linear_experts(world)
     counting = CountingKernels(fail_combine=RuntimeError("out of memory (simulated)"))
     attention = kernel_endpoint(world, counting, device_pack=True)
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
     x, ids, w = route(5, 3, list(range(7)), 31)
     handle = attention.dispatch(1, x, ids, w)
     drain(ffns, experts)
@@ -676,6 +681,49 @@ def test_a_packed_dispatch_combine_can_be_retried_after_the_kernel_failed() -> N
         out.double(), experts.reference(1, x, ids, w, False), rtol=1e-5, atol=1e-4
     )
     assert attention.in_flight == 0
+
+
+class ClosingTransport(LoopbackTransport):
+    """Counts its ``close`` calls."""
+
+    def __init__(self, world: LoopbackWorld, role: Role, rank: int) -> None:
+        super().__init__(world, role, rank)
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def test_a_window_connection_picks_the_endpoint_by_its_kernels_and_owns_the_transport() -> None:
+    world = make_world(a=1, f=1, experts=4)
+    counting = CountingKernels()
+    connection = world.connection(Role.ATTENTION, 0, counting.kernels)
+    assert (connection.role, connection.rank) == (Role.ATTENTION, 0)
+    assert (connection.layout, connection.device) == (world.window.slot, torch.device("cpu"))
+    attention = connection.attention_endpoint(FAST)
+    assert type(attention) is KernelAttentionEndpoint  # the kernels the backend declared
+    attention.close()
+    portable = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    assert type(portable) is WindowAttentionEndpoint
+    assert type(world.connection(Role.FFN, 0).ffn_endpoint(FAST)) is WindowFFNEndpoint
+
+    # abort() and close() reach the transport; `with` aborts on an exception (not on
+    # Ctrl-C) and always closes.
+    attention_aborts = abort_words(world.windows[(Role.ATTENTION, 0)], world.window)
+    quiet = ClosingTransport(world, Role.FFN, 0)
+    with pytest.raises(KeyboardInterrupt), WindowConnection(quiet):
+        raise KeyboardInterrupt
+    assert (quiet.closes, int(attention_aborts[0])) == (1, 0)
+    failed = ClosingTransport(world, Role.FFN, 0)
+    with pytest.raises(RuntimeError, match="rank program failed"), WindowConnection(failed):
+        raise RuntimeError("rank program failed")
+    assert (failed.closes, int(attention_aborts[0])) == (1, 1)  # FFN rank 0's word
+    plain = WindowConnection(ClosingTransport(world, Role.ATTENTION, 0))
+    plain.abort()
+    plain.close()
+    assert int(abort_words(world.windows[(Role.FFN, 0)], world.window)[0]) == 1
+    assert isinstance(plain.transport, ClosingTransport)
+    assert plain.transport.closes == 1
 
 
 def run_layers_through_the_protocols(
@@ -704,8 +752,8 @@ def test_both_roles_run_through_the_endpoint_protocols_and_the_serving_loop() ->
     world = make_world(a=1, f=2)
     experts = linear_experts(world)
     connections = [
-        world.transport(Role.ATTENTION, 0),
-        *(world.transport(Role.FFN, r) for r in (0, 1)),
+        world.connection(Role.ATTENTION, 0),
+        *(world.connection(Role.FFN, r) for r in (0, 1)),
     ]
     attention: AttentionEndpoint = connections[0].attention_endpoint(FAST)
     ffns: list[FFNEndpoint] = [c.ffn_endpoint(FAST) for c in connections[1:]]

@@ -31,6 +31,7 @@ def test_errors_form_one_hierarchy() -> None:
         afd_protocol.ConnectorShutdown,
         afd_protocol.InvalidArgument,
         afd_protocol.RingExhausted,
+        afd_protocol.TransportUnavailable,
     ]
     assert all(issubclass(e, afd_protocol.AFDError) for e in errors)
     assert issubclass(afd_protocol.PeerTimeout, TimeoutError)

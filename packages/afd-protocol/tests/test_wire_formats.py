@@ -212,10 +212,10 @@ def run_layer(
     world = LoopbackWorld(layout.window(ring_depth=1))
     topo = layout.topology
     attention = [
-        world.transport(Role.ATTENTION, r).attention_endpoint(FAST)
+        world.connection(Role.ATTENTION, r).attention_endpoint(FAST)
         for r in range(topo.num_attention_ranks)
     ]
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(topo.num_ffn_ranks)]
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(topo.num_ffn_ranks)]
     experts = LinearExperts(4, topo.num_experts, HIDDEN, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     inputs, handles = [], []
@@ -513,7 +513,7 @@ def test_the_kernel_endpoint_serves_per_rank_with_what_applies(wire: str, reduce
     world = LoopbackWorld(layout.window())
     kernels = WindowKernels(fused_combine=reference_fused_combine, device_pack=None)
     attention = KernelAttentionEndpoint(world.transport(Role.ATTENTION, 0), FAST, kernels)
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
     experts = LinearExperts(2, 7, HIDDEN, seed=3)
     x, ids, w = random_routing(20, HIDDEN, 3, range(7), torch.Generator().manual_seed(3))
     handle = attention.dispatch(1, x, ids, w)

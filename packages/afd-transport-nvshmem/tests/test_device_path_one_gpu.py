@@ -41,7 +41,9 @@ def test_packed_dispatch_and_fused_combine_on_one_gpu(shared: str) -> None:
     attention = KernelAttentionEndpoint(
         world.transport(Role.ATTENTION, 0), options, triton_kernels()
     )
-    ffns = [world.transport(Role.FFN, r).ffn_endpoint(WindowOptions(timeout=0.5)) for r in range(3)]
+    ffns = [
+        world.connection(Role.FFN, r).ffn_endpoint(WindowOptions(timeout=0.5)) for r in range(3)
+    ]
     experts = LinearExperts(layers, 12, hidden, seed=3)
     serving = LinearExperts(layers, 12, hidden, seed=3).to("cuda")
     gen = torch.Generator().manual_seed(4)

@@ -166,3 +166,39 @@ def test_close_when_a_peer_failed_leaves_the_teardown_to_process_exit() -> None:
     fakes["rdv"].barrier_error = PeerAborted("ffn rank 0 failed")
     t.close()  # returns instead of waiting in NVSHMEM for a rank that will never come
     assert fakes["lib"].calls == []
+
+
+def test_the_connection_makes_kernel_endpoints_loading_the_kernels_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``NvshmemConnection``: the window layer's endpoints with the Triton kernels, loaded
+    when an endpoint is made, not when the connection opens (stand-ins here: CI has no
+    Triton); ``abort`` and ``close`` reach the transport."""
+    from afd_protocol import EndpointOptions
+    from afd_protocol.window import REFERENCE_KERNELS, KernelAttentionEndpoint, WindowKernels
+    from afd_transport_nvshmem import kernels
+    from afd_transport_nvshmem.transport import NvshmemConnection
+
+    loads: list[str] = []
+
+    def triton_kernels() -> WindowKernels:
+        loads.append("triton")
+        return REFERENCE_KERNELS
+
+    monkeypatch.setattr(kernels, "triton_kernels", triton_kernels)
+    t, fakes = transport()
+    connection = NvshmemConnection(t)
+    assert connection.transport is t
+    assert loads == []  # nothing loaded yet
+    attention = connection.attention_endpoint(EndpointOptions(timeout=0.05))
+    assert type(attention) is KernelAttentionEndpoint
+    assert loads == ["triton"]
+    attention.close()
+    ffn_transport, _ = transport(Role.FFN, 0)
+    NvshmemConnection(ffn_transport).ffn_endpoint(EndpointOptions(timeout=0.05)).close()
+    assert loads == ["triton", "triton"]  # the FFN endpoint's per_rank reduce
+    connection.abort()
+    connection.close()
+    assert [int(abort_words(peer, t.window)[0]) for peer in fakes["peers"]] == [1, 1]
+    assert fakes["rdv"].failed == ["aborted"]
+    assert fakes["lib"].calls == []  # closed after an abort: no collective teardown

@@ -36,6 +36,34 @@ def test_a_missing_backend_says_which_extra_to_install(monkeypatch: pytest.Monke
         connector_class("Nope")
 
 
+def test_a_missing_transport_is_named_with_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the transport registry has no nvshmem, the connector says that is what lacks."""
+    from importlib import metadata
+
+    real_import, real_entry_points = importlib.import_module, metadata.entry_points
+    shm = metadata.EntryPoint(
+        "shm", "afd_protocol.shm_registration:SHM_TRANSPORT", "afd.transports"
+    )
+
+    def without_nvshmem(name: str, *args: Any) -> Any:
+        if name == "afd_vllm.connectors.gpu":
+            raise ImportError("No module named 'afd_transport_nvshmem'")
+        return real_import(name, *args)
+
+    def only_shm(**params: Any) -> Any:
+        return [shm] if params.get("group") == "afd.transports" else real_entry_points(**params)
+
+    monkeypatch.setattr(importlib, "import_module", without_nvshmem)
+    monkeypatch.setattr(metadata, "entry_points", only_shm)
+    with pytest.raises(AFDConfigError) as caught:
+        connector_class("GpuAsyncAFDConnector")
+    assert str(caught.value) == (
+        "afd.connector GpuAsyncAFDConnector needs the nvshmem transport (afd-transport-nvshmem), "
+        "which is not installed (No module named 'afd_transport_nvshmem'); install it with: "
+        "pip install 'afd-vllm[cuda]'"
+    )
+
+
 def test_the_version_gate_names_the_supported_range() -> None:
     assert afd_vllm.supported_vllm("0.32.0")
     assert afd_vllm.supported_vllm("0.33.1+cpu")

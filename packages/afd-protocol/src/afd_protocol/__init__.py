@@ -14,7 +14,13 @@ transport can build on it. This namespace is the contract core (:mod:`afd_protoc
   :class:`EndpointOptions` -- the protocols every backend implements; :class:`WorkItem`
   -- what an FFN rank serves; :func:`serve` -- the one FFN serving loop;
   :func:`freeze_heap` -- keep the garbage collector's full passes off the serving path.
-* :class:`Rendezvous` over a :class:`KeyValueStore` -- start-up and shutdown agreement.
+* :class:`Rendezvous` over a :class:`KeyValueStore` -- start-up and shutdown agreement;
+  :func:`check_supervisor` -- a rank's wait loop stops once its launcher is gone.
+* The transport registry (:mod:`afd_protocol.transports`): :func:`get_transport`,
+  :func:`available_transports` -- every installed transport as a :class:`TransportSpec`
+  (its devices, :class:`DeviceSharing`, pip requirement, and the launcher factory it builds
+  from a :class:`SlotLayout` and :class:`TransportOptions`), found through the entry-point
+  group ``afd.transports``.
 * The error hierarchy rooted at :class:`AFDError`.
 
 Layers above it, imported by their own names (``import-linter`` keeps the direction):
@@ -44,6 +50,7 @@ from afd_protocol.core.errors import (
     ProtocolError,
     RingExhausted,
     TopologyError,
+    TransportUnavailable,
 )
 from afd_protocol.core.header import (
     FLAG_ABORT,
@@ -92,8 +99,10 @@ from afd_protocol.core.rendezvous import (
     PeerRecord,
     Rendezvous,
     TcpStore,
+    check_supervisor,
     process_alive,
     process_start_time,
+    supervisor_from_env,
 )
 from afd_protocol.core.serving import Compute, ItemRecord, ServeStats, serve
 from afd_protocol.core.tensors import constant_index, relative_error, torch_dtype
@@ -109,6 +118,16 @@ from afd_protocol.core.workitem import (
 from afd_protocol.shm.segments import SharedSegment, share_segments
 from afd_protocol.shm.segments import check_platform as check_shared_memory_platform
 from afd_protocol.shm.transport import ShmTransport
+from afd_protocol.transports import (
+    FIRST_PARTY_TRANSPORTS,
+    DeviceSharing,
+    TransportFactory,
+    TransportOptions,
+    TransportSpec,
+    available_transports,
+    get_transport,
+    transport_names,
+)
 
 try:
     __version__ = version("afd-protocol")
@@ -117,6 +136,7 @@ except PackageNotFoundError:  # a source tree that was not installed
 
 __all__ = [
     "ALIGN",
+    "FIRST_PARTY_TRANSPORTS",
     "FLAG_ABORT",
     "FLAG_ROWS_PER_TOKEN",
     "FLAG_SHUTDOWN",
@@ -132,6 +152,7 @@ __all__ = [
     "Connection",
     "ConnectorShutdown",
     "DevicePlan",
+    "DeviceSharing",
     "DirectoryStore",
     "DispatchHandle",
     "DispatchPlan",
@@ -162,6 +183,10 @@ __all__ = [
     "TcpStore",
     "Topology",
     "TopologyError",
+    "TransportFactory",
+    "TransportOptions",
+    "TransportSpec",
+    "TransportUnavailable",
     "WindowLayout",
     "WireFormat",
     "Word",
@@ -169,9 +194,11 @@ __all__ = [
     "WorkItemKey",
     "WorkItemPart",
     "__version__",
+    "available_transports",
     "check_dispatch_inputs",
     "check_same_geometry",
     "check_shared_memory_platform",
+    "check_supervisor",
     "checksum",
     "combine",
     "combine_reduced",
@@ -183,6 +210,7 @@ __all__ = [
     "encode_words",
     "expert_ids_from_counts",
     "freeze_heap",
+    "get_transport",
     "new_accumulator",
     "next_seq",
     "plan_dispatch",
@@ -193,5 +221,7 @@ __all__ = [
     "relative_error",
     "serve",
     "share_segments",
+    "supervisor_from_env",
     "torch_dtype",
+    "transport_names",
 ]

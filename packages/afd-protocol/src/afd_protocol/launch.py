@@ -61,7 +61,6 @@ from typing import Any, cast
 
 import torch
 
-from afd_protocol.core.endpoints import Connection
 from afd_protocol.core.errors import AFDError
 from afd_protocol.core.layout import WindowLayout
 from afd_protocol.core.rendezvous import (
@@ -73,18 +72,18 @@ from afd_protocol.core.rendezvous import (
 from afd_protocol.core.topology import Role
 from afd_protocol.shm.segments import remove_segments
 from afd_protocol.shm.transport import ShmTransport
-
-TransportFactory = Callable[[WindowLayout, Role, int, str, float], Connection]
-"""``factory(window, role, rank, rendezvous_dir, connect_timeout)`` opens one rank's
-connection inside its process; it must be picklable (a module-level function, or a
-``functools.partial`` of one), since spawn pickles it."""
+from afd_protocol.transports import TransportFactory as TransportFactory  # defined there
+from afd_protocol.window.connection import WindowConnection
 
 
 def shm_transport(
     window: WindowLayout, role: Role, rank: int, rendezvous: str, connect_timeout: float
-) -> Connection:
-    """The default factory: the shared-memory transport over the launcher's directory."""
-    return ShmTransport(window, role, rank, rendezvous, connect_timeout=connect_timeout)
+) -> WindowConnection:
+    """The default factory: the shared-memory transport over the launcher's directory, as a
+    :class:`~afd_protocol.window.WindowConnection` (the portable window endpoints)."""
+    return WindowConnection(
+        ShmTransport(window, role, rank, rendezvous, connect_timeout=connect_timeout)
+    )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 
 def __getattr__(name: str) -> object:
-    if name in ("NvshmemTransport", "NvshmemOptions"):  # torch.cuda helpers only when asked
+    # torch.cuda helpers only when asked
+    if name in ("NvshmemConnection", "NvshmemTransport", "NvshmemOptions"):
         from afd_transport_nvshmem import transport
 
         return getattr(transport, name)
@@ -27,6 +28,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "SINGLE_NODE_DEFAULTS",
     "STRUCT_SIZES",
+    "NvshmemConnection",
     "NvshmemLibrary",
     "NvshmemOptions",
     "NvshmemTransport",

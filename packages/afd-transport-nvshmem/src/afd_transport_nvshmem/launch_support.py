@@ -4,7 +4,7 @@ bootstrapped through the launcher's private rendezvous directory (no TCP port)."
 from __future__ import annotations
 
 from afd_protocol import DirectoryStore, Role, WindowLayout
-from afd_transport_nvshmem.transport import NvshmemOptions, NvshmemTransport
+from afd_transport_nvshmem.transport import NvshmemConnection, NvshmemOptions, NvshmemTransport
 
 
 def nvshmem_transport(
@@ -14,10 +14,11 @@ def nvshmem_transport(
     rendezvous: str,
     connect_timeout: float,
     options: NvshmemOptions | None = None,
-) -> NvshmemTransport:
-    """Open rank ``rank``'s NVSHMEM transport (other ``options``: bind them with
-    ``functools.partial(nvshmem_transport, options=NvshmemOptions(wait="host"))``)."""
+) -> NvshmemConnection:
+    """Open rank ``rank``'s NVSHMEM transport, as its connection (other ``options``: bind them
+    with ``functools.partial(nvshmem_transport, options=NvshmemOptions(wait="host"))``)."""
     store = DirectoryStore(rendezvous, timeout=connect_timeout)
-    return NvshmemTransport(
+    transport = NvshmemTransport(
         window, role, rank, store, options=options, connect_timeout=connect_timeout
     )
+    return NvshmemConnection(transport)

@@ -32,10 +32,12 @@ peers' abort words and, between poll slices, that the peer processes are alive; 
 
 Endpoints
 ---------
-The attention endpoint this transport makes is the window layer's
+:class:`NvshmemConnection` is the :class:`~afd_protocol.Connection` over this transport.
+The attention endpoint it makes is the window layer's
 :class:`~afd_protocol.window.KernelAttentionEndpoint` with the Triton kernels
-(:mod:`afd_transport_nvshmem.kernels`): a fused combine, and a device pack on request;
-the FFN endpoint's ``per_rank`` parts reduce with the Triton reduce kernel.
+(:mod:`afd_transport_nvshmem.kernels`, loaded when an endpoint is made): a fused combine,
+and a device pack on request; the FFN endpoint's ``per_rank`` parts reduce with the Triton
+reduce kernel.
 
 Start-up and teardown
 ---------------------
@@ -71,7 +73,6 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from afd_protocol import (
-    EndpointOptions,
     InvalidArgument,
     KeyValueStore,
     PeerAborted,
@@ -85,8 +86,8 @@ from afd_protocol import (
 )
 from afd_protocol.window import (
     Arrivals,
-    KernelAttentionEndpoint,
-    WindowFFNEndpoint,
+    WindowConnection,
+    WindowKernels,
     WindowTransport,
     abort_words,
     flag_words,
@@ -241,18 +242,6 @@ class NvshmemTransport(WindowTransport):
     def wait_mode(self) -> WaitMode:
         """How waits run now: as configured, or ``host`` after a device wait was abandoned."""
         return "device" if self._waiter is not None else "host"
-
-    def attention_endpoint(self, options: EndpointOptions | None = None) -> KernelAttentionEndpoint:
-        """The kernel attention endpoint with the Triton kernels (fused combine, device pack)."""
-        from afd_transport_nvshmem.kernels import triton_kernels
-
-        return KernelAttentionEndpoint(self, options, triton_kernels())
-
-    def ffn_endpoint(self, options: EndpointOptions | None = None) -> WindowFFNEndpoint:
-        """The FFN window endpoint; its ``per_rank`` parts reduce with the Triton kernel."""
-        from afd_transport_nvshmem.kernels import triton_kernels
-
-        return WindowFFNEndpoint(self, options, triton_kernels())
 
     def _new_waiter(self) -> DeviceWaiter:
         from afd_transport_nvshmem.device_wait import DeviceWaiter
@@ -423,3 +412,20 @@ class NvshmemTransport(WindowTransport):
         self._lib.free(self._heap_address)
         self._heap_address = 0
         self._lib.finalize()
+
+
+class NvshmemConnection(WindowConnection):
+    """An :class:`NvshmemTransport` as a :class:`~afd_protocol.Connection`: the kernel
+    attention endpoint with the Triton kernels (fused combine, device pack), and the FFN
+    window endpoint whose ``per_rank`` parts reduce with the Triton kernel."""
+
+    transport: NvshmemTransport
+
+    def __init__(self, transport: NvshmemTransport) -> None:
+        super().__init__(transport)
+
+    def endpoint_kernels(self) -> WindowKernels:
+        """The Triton kernels, imported (with Triton) when the first endpoint is made."""
+        from afd_transport_nvshmem.kernels import triton_kernels
+
+        return triton_kernels()

@@ -11,12 +11,12 @@ through its token store and address table and blocks in every call.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from afd_protocol.launch import TransportFactory, launch, shm_transport
+from afd_protocol import TransportFactory, TransportOptions, get_transport
+from afd_protocol.launch import launch
 from afd_tools.bench.shm_transport import (
     EXPERTS,
     HIDDEN,
@@ -28,14 +28,14 @@ from afd_tools.bench.shm_transport import (
 
 
 def run(args: Any) -> dict[str, Any]:
-    from afd_transport_cam.emulated import emulated_connection
-
     torch.set_num_threads(1)
     tokens = [t for t in LAYER_TOKENS if t <= args.max_tokens]
     slot = layer_slot("per_rank", max(tokens))  # reduced on the attention side, as CAM
     connections: dict[str, TransportFactory] = {
-        "shm per_rank": shm_transport,
-        "cam-emulator": functools.partial(emulated_connection, spin_timeout=300.0),
+        "shm per_rank": get_transport("shm").factory(slot),
+        "cam-emulator": get_transport("cam-emulator").factory(
+            slot, TransportOptions(wait_timeout=300.0)
+        ),
     }
     report: dict[str, Any] = {"backend": "cam-emulator", "layer": {}}
     print(f"dispatch + combine per layer, 2A2F, hidden {HIDDEN} bf16, {EXPERTS} experts top-{TOPK}")

@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from afd_protocol import FIRST_PARTY_TRANSPORTS, AFDError, get_transport, transport_names
 from afd_tools.bench import prefill
+
+
+@dataclass(frozen=True)
+class TransportBench:
+    """How ``afd bench transport`` measures one transport."""
+
+    module: str
+    """The module whose ``run(args)`` measures it and returns the JSON report."""
+    smallest_tokens: int
+    """The smallest ``--max-tokens`` its per-layer benchmark measures."""
+
+
+TRANSPORT_BENCHES = {
+    "shm": TransportBench("afd_tools.bench.shm_transport", smallest_tokens=256),
+    "nvshmem": TransportBench("afd_tools.bench.nvshmem_transport", smallest_tokens=1024),
+    "cam-emulator": TransportBench("afd_tools.bench.cam_transport", smallest_tokens=256),
+}
+"""The measuring module of every afd transport, by its name in the transport registry
+(``afd_protocol.get_transport``), which is what ``--backend`` names."""
+assert set(TRANSPORT_BENCHES) == set(FIRST_PARTY_TRANSPORTS), "a transport without a bench"
 
 
 def add_parser(sub: Any) -> None:
@@ -26,11 +49,11 @@ def add_parser(sub: Any) -> None:
     )
     transport.add_argument(
         "--backend",
-        choices=["shm", "nvshmem", "cam-emulator", "host"],
         default="shm",
-        help="transport to measure: shm (shared memory between processes), nvshmem (two "
-        "GPUs) or cam-emulator (the CPU emulator of Ascend CAM's operators, per layer, side "
-        "by side with shm); host is the old name of shm",
+        metavar="{" + ",".join(n for n in transport_names() if n in TRANSPORT_BENCHES) + "}",
+        help="transport to measure, by its registry name: shm (shared memory between "
+        "processes), nvshmem (two GPUs) or cam-emulator (the CPU emulator of Ascend CAM's "
+        "operators, per layer, side by side with shm)",
     )
     transport.add_argument("--iterations", type=int, default=2000, help="latency round trips")
     transport.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
@@ -59,9 +82,17 @@ def add_parser(sub: Any) -> None:
 
 
 def run_transport(args: argparse.Namespace) -> int:
-    if args.backend == "host":
-        args.backend = "shm"
-    smallest_tokens = 1024 if args.backend == "nvshmem" else 256
+    try:
+        transport = get_transport(args.backend)  # installed, or what to install
+    except AFDError as exc:
+        return _refuse(str(exc))
+    bench = TRANSPORT_BENCHES.get(transport.name)
+    if bench is None:
+        return _refuse(
+            f"--backend {transport.name}: no benchmark measures this transport (afd bench "
+            f"transport measures {', '.join(TRANSPORT_BENCHES)})"
+        )
+    smallest_tokens = bench.smallest_tokens
     problems = []
     if args.iterations < 200:
         problems.append(
@@ -74,21 +105,15 @@ def run_transport(args: argparse.Namespace) -> int:
     if args.max_bytes < 4096:
         problems.append("--max-bytes must be >= 4096 (the smallest payload measured)")
     if problems:
-        print(f"afd bench transport: error: {'; '.join(problems)}", file=sys.stderr)
-        return 2
-    if args.backend == "nvshmem":
-        from afd_tools.bench import nvshmem_transport
-
-        report = nvshmem_transport.run(args)
-    elif args.backend == "cam-emulator":
-        from afd_tools.bench import cam_transport
-
-        report = cam_transport.run(args)
-    else:
-        from afd_tools.bench import shm_transport
-
-        report = shm_transport.run(args)
+        return _refuse("; ".join(problems))
+    report = importlib.import_module(bench.module).run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _refuse(message: str) -> int:
+    """Print ``message`` as the command's one-line error; the exit status of a refusal."""
+    print(f"afd bench transport: error: {message}", file=sys.stderr)
+    return 2

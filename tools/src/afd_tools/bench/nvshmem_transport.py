@@ -39,7 +39,7 @@ import torch
 
 from afd_protocol import AttentionEndpoint, Role, SlotLayout, Topology
 from afd_protocol.launch import RankSpec, launch
-from afd_protocol.window import WindowOptions, WindowTransport
+from afd_protocol.window import WindowConnection, WindowOptions, WindowTransport
 from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes
@@ -114,14 +114,16 @@ WAIT_VARIANTS: dict[str, dict[str, Any]] = {
 """``wait_any`` variants, each a transport option set (so each is its own launch)."""
 
 
-def _wait_any_latency(t: WindowTransport, iterations: int) -> float:
+def _wait_any_latency(connection: WindowConnection, iterations: int) -> float:
     """One way (round trip / 2, median, us) of a flag ping-pong through ``wait_any``, as the
     attention side times it (the FFN side only echoes: NaN there)."""
-    samples = _pingpong_transport(t, 0, iterations)[iterations // 10 :]
+    samples = _pingpong_transport(connection.transport, 0, iterations)[iterations // 10 :]
     return statistics.median(samples) / 2 * 1e6 if samples else float("nan")
 
 
-def _latency_and_bandwidth(t: WindowTransport, iterations: int, repeats: int) -> dict[str, Any]:
+def _latency_and_bandwidth(
+    connection: WindowConnection, iterations: int, repeats: int
+) -> dict[str, Any]:
     from afd_transport_nvshmem.cuda_memory import (
         device_bytes,
         stream_memops_available,
@@ -130,8 +132,9 @@ def _latency_and_bandwidth(t: WindowTransport, iterations: int, repeats: int) ->
     )
     from afd_transport_nvshmem.device_wait import pingpong
 
+    t = connection.transport
     _log(t, "wait_any ping-pong, device waits")
-    report: dict[str, Any] = {"wait_any_device_us": _wait_any_latency(t, iterations)}
+    report: dict[str, Any] = {"wait_any_device_us": _wait_any_latency(connection, iterations)}
     window = t.window
     local_flags = t.local_window()[window.flags_offset :].view(torch.int32)
     peer_flags = t.peer_window(0)[window.flags_offset :].view(torch.int32)
@@ -259,7 +262,7 @@ ROUNDS_PER_BLOCK = 5
 
 
 def _layer_attention(
-    t: WindowTransport,
+    connection: WindowConnection,
     tokens: list[int],
     repeats: int,
     profile: str | None,
@@ -267,19 +270,20 @@ def _layer_attention(
 ) -> dict[str, float]:
     """Time dispatch + combine per mode: each mode's endpoint in turn for a block of rounds,
     the blocks interleaved so that clock and thermal drift hit every mode alike."""
-    gen = torch.Generator(device=t.device).manual_seed(0)
+    device = connection.device
+    gen = torch.Generator(device=device).manual_seed(0)
     results = {}
     blocks = max(1, -(-repeats // ROUNDS_PER_BLOCK))
     for n in tokens:
-        x = torch.randn(n, HIDDEN, device=t.device, generator=gen).to(torch.bfloat16)
-        ids = torch.rand(n, EXPERTS, device=t.device, generator=gen).topk(TOPK, -1).indices
-        w = torch.rand(n, TOPK, device=t.device, generator=gen)
+        x = torch.randn(n, HIDDEN, device=device, generator=gen).to(torch.bfloat16)
+        ids = torch.rand(n, EXPERTS, device=device, generator=gen).topk(TOPK, -1).indices
+        w = torch.rand(n, TOPK, device=device, generator=gen)
         samples: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
         for _ in range(blocks):
             for mode, options in modes.items():
-                endpoint = t.attention_endpoint(options)
+                endpoint = connection.attention_endpoint(options)
                 endpoint.combine(endpoint.dispatch(0, x, ids, w))  # warm-up: buffers, compiles
-                torch.cuda.synchronize(t.device)
+                torch.cuda.synchronize(device)
                 for _ in range(ROUNDS_PER_BLOCK):
                     samples[mode].append(_timed_round(endpoint, x, ids, w))
                 endpoint.close()
@@ -298,10 +302,10 @@ def _layer_attention(
                     results[f"{mode}/{n}/p10"] = _quantile(column, 0.1)
                     results[f"{mode}/{n}/p90"] = _quantile(column, 0.9)
         if profile and "device" in modes:
-            endpoint = t.attention_endpoint(modes["device"])
+            endpoint = connection.attention_endpoint(modes["device"])
             _profile_layer(endpoint, x, ids, w, f"{profile}/attention.txt")
             endpoint.close()
-    endpoint = t.attention_endpoint(next(iter(modes.values())))
+    endpoint = connection.attention_endpoint(next(iter(modes.values())))
     endpoint.announce_shutdown()
     endpoint.close()
     return results

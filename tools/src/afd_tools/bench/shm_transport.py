@@ -33,7 +33,7 @@ from afd_protocol import (
     plan_dispatch,
 )
 from afd_protocol.launch import RankSpec, launch
-from afd_protocol.window import WindowTransport
+from afd_protocol.window import WindowConnection
 from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes, median_seconds
@@ -65,13 +65,14 @@ def layer_bytes(plan: DispatchPlan, layout: SlotLayout) -> int:
 # ---- latency and bandwidth: one attention and one FFN process -------------------------
 
 
-def _pingpong(transport: WindowTransport, iterations: int) -> list[float]:
+def _pingpong(connection: WindowConnection, iterations: int) -> list[float]:
     """Attention side bumps its flag in the FFN window; the FFN echoes it back."""
-    return flag_pingpong(transport, 0, 1, iterations)
+    return flag_pingpong(connection.transport, 0, 1, iterations)
 
 
-def _bandwidth(transport: WindowTransport, sizes: list[int], repeats: int) -> dict[str, Any]:
+def _bandwidth(connection: WindowConnection, sizes: list[int], repeats: int) -> dict[str, Any]:
     """Attention writes each size into the FFN window and publishes; FFN acknowledges."""
+    transport = connection.transport
     window = transport.window
     rows_at = window.field_offset(0, 0, "routed_rows")
     out_flag, in_flag = window.flag_index(0, 0), window.flag_index(0, 0)

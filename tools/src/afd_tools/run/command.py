@@ -23,13 +23,20 @@ from afd_models import PRESET_NAMES, MonolithicModel, preset
 from afd_protocol import (
     AFDError,
     CombineReduce,
+    DeviceSharing,
     Role,
     SharedPlacement,
     SlotLayout,
     Topology,
+    TransportFactory,
+    TransportOptions,
+    TransportSpec,
     WindowLayout,
+    available_transports,
+    get_transport,
+    transport_names,
 )
-from afd_protocol.launch import RankSpec, TransportFactory, launch, shm_transport
+from afd_protocol.launch import RankSpec, launch
 from afd_tools.run import ranks
 from afd_tools.run.devices import COLOCATED, DEVICE_DEFAULTS, Placement, place, resolve_device
 from afd_tools.run.expert_parallel import expert_parallel_connection
@@ -56,7 +63,6 @@ _SPAWN = mp.get_context("spawn")
 QUANT_TOLERANCE = 5e-2
 """Relative error allowed when dispatch rows travel as int8 (about amax / 254 per element,
 compounded over the layers)."""
-TRANSPORTS = ("shm", "nvshmem", "cam-emulator")
 
 
 def add_parser(sub: Any) -> None:
@@ -153,13 +159,13 @@ def add_parser(sub: Any) -> None:
     add_wire_options(p)
     p.add_argument(
         "--transport",
-        choices=TRANSPORTS,
         default=None,
-        help="shm: afd's shared-memory windows (default on cpu; on cuda rows are staged "
-        "through host memory); nvshmem: GPU windows over NVLink (default on cuda); "
-        "cam-emulator: the CPU emulator of Ascend CAM's "
-        "compact routed-only operators (needs --shared attention and experts that split "
-        "evenly over the FFN ranks; its own wire format, so --wire-format and "
+        metavar="{" + ",".join(transport_names()) + "}",
+        help="a transport installed here (afd_protocol's transport registry): shm: afd's "
+        "shared-memory windows (default on cpu; on cuda rows are staged through host memory); "
+        "nvshmem: GPU windows over NVLink (default on cuda); cam-emulator: the CPU emulator of "
+        "Ascend CAM's compact routed-only operators (needs --shared attention and experts "
+        "that split evenly over the FFN ranks; its own wire format, so --wire-format and "
         "--combine-reduce do not apply)",
     )
     p.add_argument(
@@ -214,16 +220,18 @@ def _apply_device_defaults(args: argparse.Namespace) -> Placement:
             if key == "backend" and args.dtype != "bfloat16":
                 value = "reference"
             setattr(args, key, value)
-    if args.transport == "nvshmem" and kind != "cuda":
-        raise WorkloadError("--transport nvshmem needs --device cuda")
-    if args.transport == "cam-emulator" and kind != "cpu":
-        raise WorkloadError("--transport cam-emulator runs on cpu only; add --device cpu")
+    transport = get_transport(args.transport)
+    transport.check_device(kind, transport_option="--transport", device_option="--device")
     if args.stages < 1:
         raise WorkloadError(f"--stages must be >= 1, got {args.stages}")
     if args.attention_ranks < 1 or args.ffn_ranks < 1:
         raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
     placement = place(kind, args.attention_ranks, args.ffn_ranks, args.share_gpus, args.colocated)
     args.colocated = placement.colocated_mode
+    if placement.shared and transport.device_sharing is DeviceSharing.EXCLUSIVE:
+        raise WorkloadError(
+            f"--share-gpus: --transport {transport.name} runs one rank per GPU; drop --share-gpus"
+        )
     check_mps_options(
         placement, args.mps_attention_share, args.mps_ffn_share, args.no_mps, args.transport
     )
@@ -245,12 +253,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.tie_margin is not None and not 0 <= args.tie_margin <= 1:
         raise WorkloadError(f"--tie-margin must be within [0, 1], got {args.tie_margin}")
-    if args.cam_dynamic_quant and args.transport != "cam-emulator":
-        raise WorkloadError("--cam-dynamic-quant applies to --transport cam-emulator only")
-    if args.transport == "cam-emulator" and args.shared != SharedPlacement.ATTENTION.value:
-        raise WorkloadError(
-            "--transport cam-emulator carries routed experts only: use --shared attention"
-        )
+    if not args.timeout > 0:
+        raise WorkloadError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    _check_transport_options(args, get_transport(args.transport))
     if args.combine_reduce == CombineReduce.FFN.value and args.wire_format != "per_rank":
         raise WorkloadError(
             "--combine-reduce ffn needs --wire-format per_rank (per_choice rows carry no "
@@ -590,24 +595,27 @@ def _margin(args: argparse.Namespace) -> float:
     return QUANT_TIE_MARGIN if args.cam_dynamic_quant else TIE_MARGIN[args.dtype]
 
 
-def _transport_factory(args: argparse.Namespace, slot: SlotLayout) -> TransportFactory:
-    """The launcher's connection factory for ``--transport`` (checked before any process)."""
-    if args.transport == "shm":
-        return shm_transport
-    if args.transport == "nvshmem":
-        from afd_transport_nvshmem.launch_support import nvshmem_transport
-
-        return nvshmem_transport
-    from afd_transport_cam.emulated import emulated_connection
-    from afd_transport_cam.endpoints import cam_geometry
-
-    try:
-        cam_geometry(slot, args.cam_dynamic_quant)
-    except AFDError as exc:
-        raise WorkloadError(f"--transport cam-emulator: {exc}") from None
-    return functools.partial(
-        emulated_connection, dynamic_quant=args.cam_dynamic_quant, spin_timeout=args.timeout
+def _check_transport_options(args: argparse.Namespace, transport: TransportSpec) -> None:
+    """Refuse the options ``--transport`` cannot honour, naming the ones that can."""
+    if args.cam_dynamic_quant and not transport.dynamic_quant:
+        able = [t.name for t in available_transports().values() if t.dynamic_quant]
+        raise WorkloadError(
+            f"--cam-dynamic-quant applies to --transport {' or '.join(able) or '(none here)'} only"
+        )
+    transport.check_shared_placement(
+        args.shared, transport_option="--transport", shared_option="--shared"
     )
+
+
+def _transport_factory(args: argparse.Namespace, slot: SlotLayout) -> TransportFactory:
+    """The launcher's connection factory for ``--transport``, from the transport registry
+    (checked before any process starts: why the deployment cannot run on it names it)."""
+    transport = get_transport(args.transport)
+    options = TransportOptions(wait_timeout=args.timeout, dynamic_quant=args.cam_dynamic_quant)
+    try:
+        return transport.factory(slot, options)
+    except AFDError as exc:
+        raise WorkloadError(f"--transport {transport.name}: {exc}") from None
 
 
 def _launch(

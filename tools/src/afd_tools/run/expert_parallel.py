@@ -50,8 +50,8 @@ from afd_protocol import (
     SharedPlacement,
     SlotLayout,
     WindowLayout,
+    check_dispatch_inputs,
 )
-from afd_protocol.core.endpoints import check_dispatch_inputs
 
 STORE_FILE = "expert-parallel-store"
 """The torch.distributed file store, inside the launcher's private rendezvous directory

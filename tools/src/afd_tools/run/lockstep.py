@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from afd_protocol import PeerAborted, PeerTimeout
-from afd_protocol.core.rendezvous import process_alive, supervisor_from_env
+from afd_protocol import PeerAborted, PeerTimeout, process_alive, supervisor_from_env
 
 _MESSAGE = struct.Struct("<iq")
 """(sender, value)."""

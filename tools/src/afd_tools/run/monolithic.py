@@ -27,9 +27,9 @@ from afd_protocol import (
     Role,
     SlotLayout,
     WindowLayout,
+    check_supervisor,
     freeze_heap,
 )
-from afd_protocol.core.rendezvous import check_supervisor
 from afd_tools.run.ranks import ModeResult, random_weights, rank_device, request_tokens
 from afd_tools.run.routing import RoutingLog
 from afd_tools.run.workload import ChunkQueue, Request

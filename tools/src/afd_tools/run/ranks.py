@@ -36,9 +36,9 @@ from afd_protocol import (
     Connection,
     DispatchHandle,
     EndpointOptions,
+    check_supervisor,
     freeze_heap,
 )
-from afd_protocol.core.rendezvous import check_supervisor
 from afd_protocol.launch import roster
 from afd_tools.run.breakdown import Clock, ItemTimer, LayerTimes, TimedEndpoint
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint

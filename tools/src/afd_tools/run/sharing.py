@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 
+from afd_protocol import DeviceSharing, get_transport
 from afd_protocol.launch import sigterm_as_interrupt
 from afd_tools.run.devices import Placement
 from afd_tools.run.workload import WorkloadError
@@ -44,8 +45,9 @@ def check_mps_options(
     no_mps: bool,
     transport: str,
 ) -> None:
-    """Refuse the MPS options where they mean nothing (no GPU shared) or contradict each
-    other, with a one-line :class:`WorkloadError` saying what to change."""
+    """Refuse the MPS options where they mean nothing (no GPU shared), contradict each
+    other or the ``transport``'s needs (its registry entry's device sharing), with a
+    one-line :class:`WorkloadError` saying what to change."""
     given = [
         flag
         for flag, used in (
@@ -66,9 +68,9 @@ def check_mps_options(
             f"--no-mps runs the shared GPUs without CUDA MPS, so there is no share to set: drop "
             f"{given[0]} or --no-mps"
         )
-    if no_mps and transport == "nvshmem":
+    if no_mps and get_transport(transport).device_sharing is DeviceSharing.MPS:
         raise WorkloadError(
-            "--no-mps: the nvshmem transport refuses ranks sharing a GPU outside CUDA MPS "
+            f"--no-mps: the {transport} transport refuses ranks sharing a GPU outside CUDA MPS "
             "(its barriers and signal waits would abort); add --transport shm or drop --no-mps"
         )
 

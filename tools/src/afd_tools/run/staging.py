@@ -19,8 +19,8 @@ from afd_protocol import (
     Compute,
     DispatchHandle,
     WorkItem,
+    WorkItemPart,
 )
-from afd_protocol.core.workitem import WorkItemPart
 from afd_tools.run.forwarding import ForwardingEndpoint
 
 

@@ -13,7 +13,8 @@ have to read our source to act.
     ├── TopologyError       configuration or geometry is inconsistent (names the parameter)
     ├── PeerTimeout         a peer did not answer within the configured timeout
     ├── PeerAborted         a peer published its abort word (it failed; we fail fast)
-    └── ConnectorShutdown   the opposite role announced an orderly shutdown
+    ├── ConnectorShutdown   the opposite role announced an orderly shutdown
+    └── TransportUnavailable  no transport of that name loads here (names the ones that do)
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class ConnectorShutdown(AFDError):
     """The opposite role announced shutdown; a serving loop treats this as a clean exit."""
 
 
+class TransportUnavailable(AFDError, LookupError):
+    """No transport of that name can be loaded here: the name is misspelled, its package is
+    not installed, or its package is broken. The message names the transports that are
+    installed and, where it knows one, the pip package to install."""
+
+
 __all__ = [
     "AFDError",
     "CapacityError",
@@ -76,4 +83,5 @@ __all__ = [
     "ProtocolError",
     "RingExhausted",
     "TopologyError",
+    "TransportUnavailable",
 ]

@@ -1,15 +1,18 @@
 """The window layer: AFD over windows that peers write into, with flags and abort words.
 
-Above the contract core: a bytes-and-flags transport interface
-(:class:`WindowTransport`), the window endpoints that implement the core's endpoint
-protocols over it (:class:`WindowAttentionEndpoint`, :class:`WindowFFNEndpoint`, and
-:class:`KernelAttentionEndpoint` for backends with device kernels), the kernel
-specifications with their torch references (:mod:`afd_protocol.window.kernels`), and an
-in-process loopback transport for step-by-step tests. The shared-memory transport
-(:mod:`afd_protocol.shm`) and the NVSHMEM transport build on it.
+Above the contract core, bottom to top (``import-linter`` keeps the direction): a
+bytes-and-flags transport interface (:class:`WindowTransport`); the window endpoints that
+implement the core's endpoint protocols over it (:class:`WindowAttentionEndpoint`,
+:class:`WindowFFNEndpoint`, and :class:`KernelAttentionEndpoint` for backends with device
+kernels, specified with their torch references in :mod:`afd_protocol.window.kernels`);
+:class:`WindowConnection`, the :class:`~afd_protocol.core.endpoints.Connection` that owns a
+transport and makes the endpoint a rank asks for; and an in-process loopback transport for
+step-by-step tests. The shared-memory transport (:mod:`afd_protocol.shm`) and the NVSHMEM
+transport build on it.
 """
 
 from afd_protocol.window.attention import WindowAttentionEndpoint, WindowDispatch
+from afd_protocol.window.connection import WindowConnection
 from afd_protocol.window.ffn import WindowFFNEndpoint
 from afd_protocol.window.kernel_attention import KernelAttentionEndpoint
 from afd_protocol.window.kernels import (
@@ -46,6 +49,7 @@ __all__ = [
     "SlotView",
     "TokenRowInputs",
     "WindowAttentionEndpoint",
+    "WindowConnection",
     "WindowDispatch",
     "WindowFFNEndpoint",
     "WindowKernels",

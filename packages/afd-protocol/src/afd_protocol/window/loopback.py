@@ -5,7 +5,9 @@ All windows are ordinary tensors (on the CPU, or on one GPU) owned by one :class
 transports, so endpoint logic (fairness, rings, stale replies, shutdown) can be driven
 step by step from a single thread, deterministically, with no processes. Waits poll
 until the timeout; from a single thread a wait for something not yet published times
-out, which is exactly what such a test wants to observe.
+out, which is exactly what such a test wants to observe. :meth:`LoopbackWorld.connection`
+wraps a rank's transport in a :class:`~afd_protocol.window.connection.WindowConnection`,
+the :class:`~afd_protocol.core.endpoints.Connection` that makes its endpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from afd_protocol.core.errors import PeerAborted, PeerTimeout
 from afd_protocol.core.layout import WindowLayout
 from afd_protocol.core.topology import Role
+from afd_protocol.window.connection import WindowConnection
+from afd_protocol.window.kernels import WindowKernels
 from afd_protocol.window.transport import Arrivals, WindowTransport
 from afd_protocol.window.views import abort_words, flag_words
 
@@ -37,7 +41,14 @@ class LoopbackWorld:
         }
 
     def transport(self, role: Role | str, rank: int) -> LoopbackTransport:
+        """One rank's transport (a new one per call; they share the world's windows)."""
         return LoopbackTransport(self, Role(role), rank)
+
+    def connection(
+        self, role: Role | str, rank: int, kernels: WindowKernels | None = None
+    ) -> WindowConnection:
+        """One rank's connection over a new :meth:`transport`: ask it for the endpoint."""
+        return WindowConnection(self.transport(role, rank), kernels)
 
 
 class LoopbackTransport(WindowTransport):

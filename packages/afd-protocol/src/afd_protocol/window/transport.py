@@ -26,10 +26,13 @@ is an ABA-safe arrival test with no remote atomics. The counter and the values l
 belong to the transport, not to an endpoint, so an endpoint can be closed and another
 opened on the same window (a benchmark comparing endpoint options does this).
 
-A window transport is also a :class:`~afd_protocol.core.endpoints.Connection`: it makes
-this rank's endpoint -- the portable window endpoints by default; a backend whose
-hardware can do more returns its own (the NVSHMEM transport returns one with device
-kernels).
+A transport knows nothing of endpoints: the endpoints know it, and
+:class:`~afd_protocol.window.connection.WindowConnection`, above both, is the
+:class:`~afd_protocol.core.endpoints.Connection` a rank program holds -- it owns a transport
+and makes this rank's endpoint over it (the portable window endpoints, or those with the
+device kernels a backend offers, as the NVSHMEM transport's connection does). The
+transport keeps what outlives one endpoint, and lets one endpoint at a time use the window
+(:meth:`WindowTransport.bind`).
 
 This layer is for backends with load/store access to their peers' memory (shared memory
 on one machine, NVLink peer mappings on one node). A backend without it -- NVSHMEM across
@@ -44,19 +47,13 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import torch
 
-from afd_protocol.core.endpoints import EndpointOptions
 from afd_protocol.core.errors import InvalidArgument
 from afd_protocol.core.header import next_seq
 from afd_protocol.core.layout import SlotLayout, WindowLayout
 from afd_protocol.core.topology import Role, Topology
-
-if TYPE_CHECKING:
-    from afd_protocol.window.attention import WindowAttentionEndpoint
-    from afd_protocol.window.ffn import WindowFFNEndpoint
 
 
 class SequenceCounter:
@@ -166,19 +163,7 @@ class WindowTransport(abc.ABC):
             )
         return peer
 
-    # ---- the Connection side ----------------------------------------------------------
-
-    def attention_endpoint(self, options: EndpointOptions | None = None) -> WindowAttentionEndpoint:
-        """The portable window endpoint of this attention rank."""
-        from afd_protocol.window.attention import WindowAttentionEndpoint
-
-        return WindowAttentionEndpoint(self, options)
-
-    def ffn_endpoint(self, options: EndpointOptions | None = None) -> WindowFFNEndpoint:
-        """The window endpoint of this FFN rank."""
-        from afd_protocol.window.ffn import WindowFFNEndpoint
-
-        return WindowFFNEndpoint(self, options)
+    # ---- the one endpoint of this window -------------------------------------------------
 
     def bind(self, endpoint: object) -> None:
         """Record ``endpoint`` as the one endpoint using this window (endpoints call this)."""

@@ -5,7 +5,7 @@ Needs ``pip install afd-vllm[cuda]`` (the NVSHMEM transport and library)."""
 from __future__ import annotations
 
 from afd_protocol import Connection, TcpStore
-from afd_transport_nvshmem.transport import NvshmemTransport
+from afd_transport_nvshmem.transport import NvshmemConnection, NvshmemTransport
 from afd_vllm.connectors.base import AFDConnector
 
 
@@ -16,6 +16,6 @@ class GpuAsyncAFDConnector(AFDConnector):
         layout = self.layout()
         world = layout.topology.world_rank(self.role, rank)
         store = TcpStore(world, layout.topology.world_size, connect_timeout, port=self.config.port)
-        return NvshmemTransport(
-            self.window(), self.role, rank, store, connect_timeout=connect_timeout
+        return NvshmemConnection(
+            NvshmemTransport(self.window(), self.role, rank, store, connect_timeout=connect_timeout)
         )

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from afd_protocol import Connection, DirectoryStore, ShmTransport, process_alive, process_start_time
+from afd_protocol.window import WindowConnection
 from afd_vllm.connectors.base import AFDConnector
 from afd_vllm.extra import HostExtraConfig
 
@@ -35,7 +36,9 @@ class HostAsyncAFDConnector(AFDConnector):
         folder = self.rendezvous_dir()
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         clear_stale_rendezvous(folder)
-        return ShmTransport(self.window(), self.role, rank, folder, connect_timeout=connect_timeout)
+        return WindowConnection(
+            ShmTransport(self.window(), self.role, rank, folder, connect_timeout=connect_timeout)
+        )
 
 
 CLAIM_PREFIX = "afd-vllm/claim/"

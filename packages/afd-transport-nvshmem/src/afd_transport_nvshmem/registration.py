@@ -1,0 +1,37 @@
+"""The NVSHMEM transport's entry in afd's transport registry (``afd_protocol.transports``).
+
+Registered in this package's ``pyproject.toml`` as ``nvshmem``. Importing this module loads
+neither NVSHMEM nor the transport: :mod:`afd_transport_nvshmem.launch_support` is imported
+when a factory is built, so listing the transports on a CPU machine stays cheap and safe.
+"""
+
+from __future__ import annotations
+
+from afd_protocol import (
+    DeviceSharing,
+    SlotLayout,
+    TransportFactory,
+    TransportOptions,
+    TransportSpec,
+)
+
+
+def _nvshmem_factory(slot: SlotLayout, options: TransportOptions) -> TransportFactory:
+    """:func:`afd_transport_nvshmem.launch_support.nvshmem_transport`: its waits are the
+    endpoints' (nothing in ``options`` applies)."""
+    from afd_transport_nvshmem.launch_support import nvshmem_transport
+
+    return nvshmem_transport
+
+
+NVSHMEM_TRANSPORT = TransportSpec(
+    name="nvshmem",
+    summary="afd's windows in NVSHMEM memory peer-mapped between the GPUs of one node (NVLink "
+    "or P2P), one rank per GPU or several under CUDA MPS",
+    devices=frozenset({"cuda"}),
+    device_sharing=DeviceSharing.MPS,
+    requirement="afd-transport-nvshmem",
+    build=_nvshmem_factory,
+)
+"""``nvshmem``: one rank per GPU (or several under MPS), bootstrapped through the launcher's
+rendezvous directory."""
