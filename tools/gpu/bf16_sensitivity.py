@@ -27,8 +27,8 @@ import torch
 from afd_models import KVCache, MonolithicModel, PromptChunk, preset
 from afd_models import router as router_module
 from afd_protocol.core.tensors import relative_error
+from afd_tools.prefill.workload import Request, prompt_lengths
 from afd_tools.run import ranks
-from afd_tools.run.workload import Request, prompt_lengths
 
 
 class RoutingRecorder:

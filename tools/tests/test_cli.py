@@ -257,7 +257,7 @@ def test_bench_prefill_uniform_has_the_uneven_total_and_refuses_docs_without_mar
     tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from afd_tools.bench.prefill import QUICK, workload_lengths
-    from afd_tools.run.workload import prompt_lengths
+    from afd_tools.prefill.workload import prompt_lengths
 
     uniform = workload_lengths("uniform", "v2-lite", QUICK, 3)
     assert uniform is not None

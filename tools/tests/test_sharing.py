@@ -20,6 +20,7 @@ import pytest
 from afd_protocol import Role
 from afd_protocol.launch import RankSpec, shm_transport
 from afd_tools.cli import main
+from afd_tools.prefill.workload import WorkloadError
 from afd_tools.run import command, sharing
 from afd_tools.run.devices import place
 from afd_tools.run.sharing import (
@@ -29,7 +30,6 @@ from afd_tools.run.sharing import (
     describe_sharing,
     mps_clients,
 )
-from afd_tools.run.workload import WorkloadError
 from afd_transport_nvshmem.mps import MpsDaemon
 from afd_transport_nvshmem.mps_stand_in import (
     daemon_processes,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from afd_models import preset
 from afd_tools.cli import main
-from afd_tools.run.workload import Request, assign
+from afd_tools.prefill.workload import Request, assign
 from afd_tools.sim import calibrate, costs
 from afd_tools.sim.calibrate import fit_runs
 from afd_tools.sim.costs import Calibration, SimError, Wire, rank_hit_probability

@@ -303,7 +303,7 @@ def test_the_follower_refuses_a_record_of_another_shape(model: MonolithicModel) 
 
 
 def test_json_safe_writes_non_finite_floats_as_strings() -> None:
-    from afd_tools.run.outputs import json_safe
+    from afd_tools.outputs import json_safe
 
     report = {"a": [1.0, math.nan, (math.inf, -math.inf)], "b": {"c": 2}, "d": "x"}
     safe = json_safe(report)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afd_tools.run.metrics import percentile
-from afd_tools.run.workload import (
+from afd_tools.prefill.metrics import percentile
+from afd_tools.prefill.workload import (
     PRESETS,
     ChunkQueue,
     Request,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afd_tools.run.outputs import check_writable, write_atomically
+from afd_tools.outputs import check_writable, write_atomically
 
 WORKLOADS = ("uneven", "uniform", "long", "balanced")
 BALANCED_LENGTH = {"v3-slice": 12288, "v2-lite": 24576, "v3-mini": 4096, "tiny": 128}
@@ -111,7 +111,7 @@ def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[
     if workload == "uneven":
         return None
     if workload == "uniform":
-        from afd_tools.run.workload import prompt_lengths
+        from afd_tools.prefill.workload import prompt_lengths
 
         total = sum(prompt_lengths("uneven", n, seed, size.max_prompt_len))
         base, extra = divmod(total, n)

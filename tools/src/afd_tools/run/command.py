@@ -37,18 +37,11 @@ from afd_protocol import (
     transport_names,
 )
 from afd_protocol.launch import RankSpec, launch
-from afd_tools.run import ranks
-from afd_tools.run.devices import COLOCATED, DEVICE_DEFAULTS, Placement, place, resolve_device
-from afd_tools.run.expert_parallel import expert_parallel_connection
-from afd_tools.run.lockstep import pipes as lockstep_pipes
-from afd_tools.run.metrics import ModeSummary, ratios, summarize
-from afd_tools.run.monolithic import monolithic_connection, monolithic_replica
-from afd_tools.run.options import add_wire_options, add_workload_options
-from afd_tools.run.outputs import check_writable, json_safe, write_atomically
-from afd_tools.run.report import print_report, write_plot
-from afd_tools.run.sharing import afd_shares, check_mps_options, describe_sharing, mps_clients
-from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN, Checks, Verdict, verify
-from afd_tools.run.workload import (
+from afd_tools.outputs import check_writable, json_safe, write_atomically
+from afd_tools.prefill.metrics import ModeSummary, ratios, summarize
+from afd_tools.prefill.options import add_wire_options, add_workload_options
+from afd_tools.prefill.report import print_report, write_plot
+from afd_tools.prefill.workload import (
     Request,
     WorkloadError,
     arrival_times,
@@ -56,6 +49,13 @@ from afd_tools.run.workload import (
     prompt_lengths,
     read_workload,
 )
+from afd_tools.run import ranks
+from afd_tools.run.devices import COLOCATED, DEVICE_DEFAULTS, Placement, place, resolve_device
+from afd_tools.run.expert_parallel import expert_parallel_connection
+from afd_tools.run.lockstep import pipes as lockstep_pipes
+from afd_tools.run.monolithic import monolithic_connection, monolithic_replica
+from afd_tools.run.sharing import afd_shares, check_mps_options, describe_sharing, mps_clients
+from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN, Checks, Verdict, verify
 
 MODES = ("async", "sync", "colocated")
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

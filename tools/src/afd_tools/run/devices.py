@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_tools.run.workload import WorkloadError
+from afd_tools.prefill.workload import WorkloadError
 
 DEVICE_DEFAULTS = {
     "cpu": {"dtype": "float32", "backend": "reference", "transport": "shm"},

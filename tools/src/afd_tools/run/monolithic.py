@@ -30,9 +30,9 @@ from afd_protocol import (
     check_supervisor,
     freeze_heap,
 )
+from afd_tools.prefill.workload import ChunkQueue, Request
 from afd_tools.run.ranks import ModeResult, random_weights, rank_device, request_tokens
 from afd_tools.run.routing import RoutingLog
-from afd_tools.run.workload import ChunkQueue, Request
 
 MODE = "colocated"
 

@@ -40,13 +40,14 @@ from afd_protocol import (
     freeze_heap,
 )
 from afd_protocol.launch import roster
-from afd_tools.run.breakdown import Clock, ItemTimer, LayerTimes, TimedEndpoint
+from afd_tools.prefill.layer_times import LayerTimes
+from afd_tools.prefill.workload import ChunkQueue, Request
+from afd_tools.run.breakdown import Clock, ItemTimer, TimedEndpoint
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
 from afd_tools.run.forwarding import ForwardingEndpoint
 from afd_tools.run.lockstep import Lockstep
 from afd_tools.run.routing import RoutingLog
 from afd_tools.run.staging import StagedAttentionEndpoint, staged_compute
-from afd_tools.run.workload import ChunkQueue, Request
 
 
 def request_tokens(request: Request, vocab: int, seed: int) -> torch.Tensor:

@@ -30,8 +30,8 @@ from types import FrameType
 
 from afd_protocol import DeviceSharing, get_transport
 from afd_protocol.launch import sigterm_as_interrupt
+from afd_tools.prefill.workload import WorkloadError
 from afd_tools.run.devices import Placement
-from afd_tools.run.workload import WorkloadError
 from afd_transport_nvshmem.mps import MpsDaemon, MpsError, equal_shares
 
 SHARE_OPTIONS = {"attention": "--mps-attention-share", "ffn": "--mps-ffn-share"}

@@ -9,18 +9,18 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from afd_models import PRESET_NAMES, preset
-from afd_tools.run.metrics import ModeSummary, ratios
-from afd_tools.run.options import add_wire_options, add_workload_options
-from afd_tools.run.outputs import check_writable, write_atomically
-from afd_tools.run.report import print_report
-from afd_tools.run.report import write_plot as write_timeline
-from afd_tools.run.workload import (
+from afd_tools.outputs import check_writable, write_atomically
+from afd_tools.prefill.metrics import ModeSummary, ratios
+from afd_tools.prefill.options import add_wire_options, add_workload_options
+from afd_tools.prefill.report import print_report
+from afd_tools.prefill.report import write_plot as write_timeline
+from afd_tools.prefill.workload import (
     WorkloadError,
     arrival_times,
     assign,
@@ -594,9 +594,3 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     print(f"{len(points)} configurations x {len(lengths)} requests in {elapsed:.1f} s")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - for python -m
-    from afd_tools.cli import main as afd_main
-
-    return afd_main(["sim", *(argv or [])])

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from afd_models import DeepseekConfig, preset
-from afd_tools.run.workload import Request
+from afd_tools.prefill.workload import Request
 from afd_tools.sim.costs import SimError, Wire
 
 

@@ -4,7 +4,7 @@ They mirror the programs of :mod:`afd_tools.run.ranks` and the layer-by-stage sc
 :mod:`afd_models.schedule`, with costs from :class:`~afd_tools.sim.costs.CostModel`:
 
 * ``async`` -- each attention replica batches its own requests first come, first served
-  (:class:`afd_tools.run.workload.ChunkQueue`), cuts the batch into ``stages`` token
+  (:class:`afd_tools.prefill.workload.ChunkQueue`), cuts the batch into ``stages`` token
   ranges, and per layer and stage: finishes the stage's previous MoE (waits for the reply,
   combines), computes attention, dispatches. FFN ranks serve whatever item is ready,
   rotating the replica they look at first, so none starves;
@@ -26,8 +26,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from afd_tools.run.breakdown import LayerTimes
-from afd_tools.run.workload import Chunk, ChunkQueue, Request
+from afd_tools.prefill.layer_times import LayerTimes
+from afd_tools.prefill.workload import Chunk, ChunkQueue, Request
 from afd_tools.sim.costs import CostModel, experts_touched
 from afd_tools.sim.engine import COMPUTE, DELAY, WAIT, Engine, Part, Process, Signal
 
@@ -92,7 +92,7 @@ class FFNFeatures:
 @dataclass
 class ReplicaRecord:
     """One simulated replica's record of a mode; it has the attributes of
-    :class:`afd_tools.run.ranks.ModeResult` that :func:`afd_tools.run.metrics.summarize`
+    :class:`afd_tools.run.ranks.ModeResult` that :func:`afd_tools.prefill.metrics.summarize`
     and the timeline plot read."""
 
     done: dict[int, float] = field(default_factory=dict)
@@ -112,7 +112,7 @@ class ReplicaRecord:
 
     def finish(self) -> None:
         """Fill :attr:`layer_times` as ``afd run`` does (by
-        :meth:`afd_tools.run.breakdown.LayerTimes.as_dict`)."""
+        :meth:`afd_tools.prefill.layer_times.LayerTimes.as_dict`)."""
         if self.dispatches:
             times = LayerTimes(
                 dispatch_s=self.dispatch_s,

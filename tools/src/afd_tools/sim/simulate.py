@@ -1,5 +1,5 @@
 """Simulate a deployment on a workload: the requests of ``afd run``, every mode, its
-report's numbers (:class:`afd_tools.run.metrics.ModeSummary`)."""
+report's numbers (:class:`afd_tools.prefill.metrics.ModeSummary`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from afd_models import DeepseekConfig
-from afd_tools.run.metrics import ModeSummary, percentile, summarize
-from afd_tools.run.workload import Request, assign
+from afd_tools.prefill.metrics import ModeSummary, percentile, summarize
+from afd_tools.prefill.workload import Request, assign
 from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
 from afd_tools.sim.modes import COLOCATED, MODES, ModeRun, Setup, Simulation
 

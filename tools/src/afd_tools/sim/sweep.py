@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from afd_models import DeepseekConfig
-from afd_tools.run.workload import Request, assign
+from afd_tools.prefill.workload import Request, assign
 from afd_tools.sim.costs import Calibration, SimError, Wire
 from afd_tools.sim.simulate import deployment, headline, simulate_mode
 

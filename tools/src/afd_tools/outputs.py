@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from afd_tools.run.workload import WorkloadError
+from afd_tools.prefill.workload import WorkloadError
 
 
 def check_writable(path: Path | None) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from afd_tools.run.metrics import ModeSummary, mean
+from afd_tools.prefill.metrics import ModeSummary, mean
 
 
 def print_report(

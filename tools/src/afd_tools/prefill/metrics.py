@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from afd_tools.run.workload import Request
+from afd_tools.prefill.workload import Request
 
 
 def percentile(values: Sequence[float], q: float) -> float:

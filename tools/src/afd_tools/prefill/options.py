@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from afd_protocol import CombineReduce, SharedPlacement, WireFormat
-from afd_tools.run.workload import ASSIGNMENTS, PRESETS
+from afd_tools.prefill.workload import ASSIGNMENTS, PRESETS
 
 
 def add_workload_options(p: argparse.ArgumentParser) -> None:
