@@ -480,7 +480,8 @@ def test_afd_sim_prints_the_run_report_and_writes_json(tmp_path: Path, capsys: A
 
 
 def test_afd_sim_calibrate_from_a_run_report(tmp_path: Path) -> None:
-    """A report as afd run writes it (args as strings, requests, modes) is read back."""
+    """An unversioned report as afd run wrote it before the typed one (args as strings,
+    requests, modes) is still read back, through the legacy reader."""
     sources = []
     for i, run in enumerate(_synthetic_runs(_cal(cores=None))):
         sources.append(tmp_path / f"run{i}.json")
@@ -495,7 +496,7 @@ def test_afd_sim_calibrate_from_a_run_report(tmp_path: Path) -> None:
 
 
 def _as_report(run: MeasuredRun) -> dict[str, Any]:
-    """What afd run --json writes (its args as strings)."""
+    """What afd run --json wrote before ``afd-run-report/2`` (no schema, args as strings)."""
     return {
         "args": {
             "device": "cpu",

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from afd_tools.prefill.typed_json import dataclass_from_json
 from afd_tools.prefill.workload import Request
 
 
@@ -36,6 +37,16 @@ class ModeSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def to_json(self) -> dict[str, Any]:
+        """This summary as the report's ``modes`` object holds it."""
+        return self.as_dict()
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str, name: str = "mode") -> ModeSummary:
+        """A summary from its ``to_json`` object; a :class:`ReportError` that names
+        ``where`` and the field when one is missing or of the wrong type."""
+        return dataclass_from_json(cls, obj, where, name)
 
 
 def summarize(

@@ -41,6 +41,7 @@ from afd_tools.outputs import check_writable, json_safe, write_atomically
 from afd_tools.prefill.metrics import ModeSummary, ratios, summarize
 from afd_tools.prefill.options import add_wire_options, add_workload_options
 from afd_tools.prefill.report import print_report, write_plot
+from afd_tools.prefill.run_report import Deployment, RunReport
 from afd_tools.prefill.workload import (
     Request,
     WorkloadError,
@@ -321,15 +322,16 @@ def _run(args: argparse.Namespace) -> int:
     summaries = {m: summaries[m] for m in modes}
     print_report(summaries, ratios(summaries))
     if args.json is not None:
-        report = {
-            "args": {k: str(v) for k, v in vars(args).items() if k != "handler"},
-            "placement": _placement_record(placement, shares),
-            "modes": {m: s.as_dict() for m, s in summaries.items()},
-            "ratios": ratios(summaries),
-            "requests": [r.__dict__ for r in requests],
-            **verdict.as_json(),
-        }
-        text = json.dumps(json_safe(report), indent=2, allow_nan=False)
+        report = RunReport(
+            deployment=_deployment(args, placement),
+            requests=tuple(requests),
+            modes=summaries,
+            ratios=ratios(summaries),
+            placement=_placement_record(placement, shares),
+            verification=verdict.as_json(),
+            args={k: str(v) for k, v in vars(args).items() if k != "handler"},
+        )
+        text = json.dumps(json_safe(report.to_json()), indent=2, allow_nan=False)
         write_atomically(args.json, lambda tmp: tmp.write_text(text))
         print(f"wrote {args.json}")
     if args.plot is not None:
@@ -378,6 +380,34 @@ class _Group:
 def _with_env(spec: RankSpec, env: dict[str, str]) -> RankSpec:
     """``spec`` with ``env`` added to its process environment."""
     return dataclasses.replace(spec, env={**spec.env, **env}) if env else spec
+
+
+def _deployment(args: argparse.Namespace, placement: Placement) -> Deployment:
+    """The deployment as the report records it (``args`` with the device defaults filled
+    in, the device as placed)."""
+    return Deployment(
+        device=placement.kind,
+        preset=args.preset,
+        layers=args.layers,
+        dtype=args.dtype,
+        attention_ranks=args.attention_ranks,
+        ffn_ranks=args.ffn_ranks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        stages=args.stages,
+        colocated=args.colocated,
+        assign=args.assign,
+        wire_format=args.wire_format,
+        combine_reduce=args.combine_reduce,
+        shared=args.shared,
+        transport=args.transport,
+        backend=args.backend,
+        workload=args.workload,
+        workload_file=None if args.workload_file is None else str(args.workload_file),
+        max_prompt_len=args.max_prompt_len,
+        rate=None if args.rate is None else float(args.rate),
+        seed=args.seed,
+        cam_dynamic_quant=bool(args.cam_dynamic_quant),
+    )
 
 
 def _placement_record(placement: Placement, shares: dict[str, int]) -> dict[str, Any]:

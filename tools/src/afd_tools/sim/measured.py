@@ -1,4 +1,5 @@
-"""Measured runs as ``afd sim calibrate`` reads them: ``afd run --json`` reports, the
+"""Measured runs as ``afd sim calibrate`` reads them: ``afd run --json`` reports (typed,
+:class:`~afd_tools.prefill.run_report.RunReport`; or unversioned, from before it), the
 ``afd bench prefill --json`` file that holds several of them, or a *run bundle*.
 
 A run bundle (``afd sim bundle``) keeps a whole measurement campaign in one gzip-compressed
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from afd_models import DeepseekConfig, preset
+from afd_tools.prefill.run_report import RunReport
+from afd_tools.prefill.typed_json import ReportError
 from afd_tools.prefill.workload import Request
 from afd_tools.sim.costs import SimError, Wire
 
@@ -55,18 +58,61 @@ class MeasuredRun:
         )
 
 
-def _arg(args: dict[str, Any], key: str, where: str) -> str:
+def parse_report(report: Any, where: str) -> MeasuredRun:
+    """A :class:`MeasuredRun` from one ``afd run --json`` object: a typed report
+    (:class:`~afd_tools.prefill.run_report.RunReport`, with a ``schema``), or an unversioned
+    one from before it (:func:`parse_legacy_report`)."""
+    if not isinstance(report, dict) or "schema" not in report:
+        return parse_legacy_report(report, where)
+    try:
+        typed = RunReport.from_json(report, where)
+    except ReportError as exc:
+        raise SimError(str(exc)) from None
+    return measured_run(typed, where)
+
+
+def measured_run(report: RunReport, where: str) -> MeasuredRun:
+    """The simulator's view of a typed run report."""
+    d = report.deployment
+    return MeasuredRun(
+        source=where,
+        device=d.device,
+        preset=d.preset,
+        layers=d.layers,
+        dtype=d.dtype,
+        attention_ranks=d.attention_ranks,
+        ffn_ranks=d.ffn_ranks,
+        budget=d.max_num_batched_tokens,
+        stages=d.stages,
+        colocated=d.colocated,
+        assign=d.assign,
+        wire=Wire(d.wire_format, d.combine_reduce, d.shared),
+        workload=d.workload_name,
+        requests=tuple(
+            Request(r.request_id, r.prompt_len, r.arrival, r.replica) for r in report.requests
+        ),
+        modes={m: s.to_json() for m, s in report.modes.items()},
+    )
+
+
+# The unversioned report (schema 1), as afd run wrote it before RunReport: the deployment
+# only as the ``args`` strings of its command line. Kept so that old measurements -- the
+# shipped run bundle among them -- still load.
+
+
+def _legacy_arg(args: dict[str, Any], key: str, where: str) -> str:
     if key not in args:
         raise SimError(f"{where}: the report's args lack {key!r} (not an afd run --json report?)")
     return str(args[key])
 
 
-def _none_or_int(value: str) -> int | None:
+def _legacy_none_or_int(value: str) -> int | None:
     return None if value == "None" else int(value)
 
 
-def parse_report(report: Any, where: str) -> MeasuredRun:
-    """A :class:`MeasuredRun` from one ``afd run --json`` object."""
+def parse_legacy_report(report: Any, where: str) -> MeasuredRun:
+    """A :class:`MeasuredRun` from an unversioned ``afd run --json`` object (no
+    ``schema``): its deployment parsed back from the ``args`` strings."""
     if not isinstance(report, dict) or "args" not in report or "modes" not in report:
         raise SimError(f"{where}: not an afd run --json report (no 'args' and 'modes')")
     args = report["args"]
@@ -77,26 +123,28 @@ def parse_report(report: Any, where: str) -> MeasuredRun:
             )
             for r in report["requests"]
         )
-        workload_file = _arg(args, "workload_file", where)
+        workload_file = _legacy_arg(args, "workload_file", where)
         workload = (
-            Path(workload_file).stem if workload_file != "None" else _arg(args, "workload", where)
+            Path(workload_file).stem
+            if workload_file != "None"
+            else _legacy_arg(args, "workload", where)
         )
         return MeasuredRun(
             source=where,
-            device=_arg(args, "device", where),
-            preset=_arg(args, "preset", where),
-            layers=_none_or_int(_arg(args, "layers", where)),
-            dtype=_arg(args, "dtype", where),
-            attention_ranks=int(_arg(args, "attention_ranks", where)),
-            ffn_ranks=int(_arg(args, "ffn_ranks", where)),
-            budget=int(_arg(args, "max_num_batched_tokens", where)),
-            stages=int(_arg(args, "stages", where)),
-            colocated=_arg(args, "colocated", where),
-            assign=_arg(args, "assign", where),
+            device=_legacy_arg(args, "device", where),
+            preset=_legacy_arg(args, "preset", where),
+            layers=_legacy_none_or_int(_legacy_arg(args, "layers", where)),
+            dtype=_legacy_arg(args, "dtype", where),
+            attention_ranks=int(_legacy_arg(args, "attention_ranks", where)),
+            ffn_ranks=int(_legacy_arg(args, "ffn_ranks", where)),
+            budget=int(_legacy_arg(args, "max_num_batched_tokens", where)),
+            stages=int(_legacy_arg(args, "stages", where)),
+            colocated=_legacy_arg(args, "colocated", where),
+            assign=_legacy_arg(args, "assign", where),
             wire=Wire(
-                _arg(args, "wire_format", where),
-                _arg(args, "combine_reduce", where),
-                _arg(args, "shared", where),
+                _legacy_arg(args, "wire_format", where),
+                _legacy_arg(args, "combine_reduce", where),
+                _legacy_arg(args, "shared", where),
             ),
             workload=workload,
             requests=requests,

@@ -1,0 +1,160 @@
+"""The report ``afd run --json`` writes, as typed data: what was deployed, the exact
+requests, each mode's summary and the verification, under a schema version.
+
+``afd run`` builds a :class:`RunReport` and writes :meth:`RunReport.to_json`; readers (the
+simulator's calibration, ``afd sim validate`` and ``bundle``) take it back with
+:meth:`RunReport.from_json`, which checks every field and names the file and the field when
+one is missing or of the wrong type. The file still carries ``args`` (every ``afd run``
+option as a string) for a person reading it; no reader takes anything from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from afd_tools.prefill.metrics import ModeSummary
+from afd_tools.prefill.typed_json import (
+    ReportError,
+    check_value,
+    dataclass_from_json,
+    field_error,
+)
+from afd_tools.prefill.workload import Request
+
+SCHEMA = "afd-run-report/2"
+"""The schema of :meth:`RunReport.to_json`. Version 1 is the unversioned report (no
+``schema`` key, the deployment only in ``args`` strings) that ``afd run`` wrote before."""
+
+VERIFICATION_PREFIX = "verification_"
+"""The verdict's fields sit at the top level of the report, each named with this prefix."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The deployment a run measured, as ``afd run`` resolved it (device defaults applied)."""
+
+    device: str
+    """``cpu`` or ``cuda`` (never ``auto``: the device the ranks ran on)."""
+    preset: str
+    layers: int | None
+    """The layer count given to override the preset's (``None``: the preset's own)."""
+    dtype: str
+    attention_ranks: int
+    ffn_ranks: int
+    max_num_batched_tokens: int
+    """Tokens per prefill step and replica: the batching budget."""
+    stages: int
+    colocated: str
+    """The colocated baseline: ``dp``, ``dp-ep`` or ``mono``."""
+    assign: str
+    wire_format: str
+    combine_reduce: str
+    shared: str
+    """Where shared experts run: ``attention`` or ``ffn``."""
+    transport: str
+    backend: str
+    workload: str
+    """The ``--workload`` preset (ignored where :attr:`workload_file` is given)."""
+    workload_file: str | None
+    max_prompt_len: int
+    rate: float | None
+    """Poisson arrivals per second (``None``: all at once)."""
+    seed: int
+    cam_dynamic_quant: bool = False
+
+    @property
+    def workload_name(self) -> str:
+        """The workload by name: the file's stem, else the preset."""
+        return Path(self.workload_file).stem if self.workload_file is not None else self.workload
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> Deployment:
+        return dataclass_from_json(cls, obj, where, "deployment")
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """One ``afd run``: what ran, on which requests, and what each mode measured."""
+
+    deployment: Deployment
+    requests: tuple[Request, ...]
+    modes: dict[str, ModeSummary]
+    """Each mode's summary, in the order the modes ran."""
+    ratios: dict[str, float] = field(default_factory=dict)
+    placement: dict[str, Any] = field(default_factory=dict)
+    """Every rank's device and how the ranks shared GPUs (see ``afd run``)."""
+    verification: dict[str, Any] = field(default_factory=dict)
+    """The verdict's fields (``verification_failures``, ``verification_worst``, ...), each
+    written at the top level of the report under its own name."""
+    args: dict[str, str] = field(default_factory=dict)
+    """Every ``afd run`` option as a string, for a person reading the file."""
+
+    def __post_init__(self) -> None:
+        for mode, summary in self.modes.items():
+            if summary.mode != mode:
+                raise ValueError(f"modes[{mode!r}] holds the summary of mode {summary.mode!r}")
+        for key in self.verification:
+            if not key.startswith(VERIFICATION_PREFIX):
+                raise ValueError(f"verification field {key!r} lacks {VERIFICATION_PREFIX!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON data (pass it through ``json_safe`` before writing: a float
+        that is not finite is written as a string)."""
+        return {
+            "schema": SCHEMA,
+            "deployment": self.deployment.to_json(),
+            "args": dict(self.args),
+            "placement": dict(self.placement),
+            "modes": {m: s.to_json() for m, s in self.modes.items()},
+            "ratios": dict(self.ratios),
+            "requests": [_request_json(r) for r in self.requests],
+            **self.verification,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> RunReport:
+        """A report from :meth:`to_json`'s data (as read back from the file ``where``); a
+        :class:`ReportError` naming ``where`` and the field when it is not one."""
+        if not isinstance(obj, dict):
+            raise ReportError(f"{where}: not an afd run report (not a JSON object)")
+        schema = obj.get("schema")
+        if schema != SCHEMA:
+            raise field_error(
+                where,
+                "schema",
+                f"is {schema!r}: this afd reads run reports of schema {SCHEMA!r} (and the "
+                "unversioned reports from before it)",
+            )
+        for key in ("deployment", "requests", "modes"):
+            if key not in obj:
+                raise field_error(where, key, "is missing")
+        modes_obj = check_value(obj["modes"], dict[str, Any], where, "modes")
+        modes = {m: ModeSummary.from_json(s, where, f"modes.{m}") for m, s in modes_obj.items()}
+        for m, s in modes.items():
+            if s.mode != m:
+                raise field_error(where, f"modes.{m}.mode", f"is {s.mode!r}, not {m!r}")
+        requests = check_value(obj["requests"], list[Any], where, "requests")
+        return cls(
+            deployment=Deployment.from_json(obj["deployment"], where),
+            requests=tuple(
+                dataclass_from_json(Request, r, where, f"requests[{i}]")
+                for i, r in enumerate(requests)
+            ),
+            modes=modes,
+            ratios=check_value(obj.get("ratios", {}), dict[str, float], where, "ratios"),
+            placement=check_value(obj.get("placement", {}), dict[str, Any], where, "placement"),
+            verification={k: v for k, v in obj.items() if k.startswith(VERIFICATION_PREFIX)},
+            args=check_value(obj.get("args", {}), dict[str, str], where, "args"),
+        )
+
+
+def _request_json(request: Request) -> dict[str, Any]:
+    out = dict(request.__dict__)
+    if request.tokens is not None:
+        out["tokens"] = list(request.tokens)
+    return out
