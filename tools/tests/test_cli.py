@@ -172,6 +172,8 @@ def test_run_names_the_package_of_a_transport_that_is_not_installed(
 ) -> None:
     from importlib import metadata
 
+    from afd_protocol import transports
+
     shm = metadata.EntryPoint(
         "shm", "afd_protocol.shm_registration:SHM_TRANSPORT", "afd.transports"
     )
@@ -181,6 +183,8 @@ def test_run_names_the_package_of_a_transport_that_is_not_installed(
         return [shm] if params.get("group") == "afd.transports" else real(**params)
 
     monkeypatch.setattr(metadata, "entry_points", only_shm)
+    # nor importable from a source tree
+    monkeypatch.setattr(transports, "SOURCE_TREE_SPECS", {"shm": shm.value})
     argv = ["run", "--device", "cpu", "--transport", "cam-emulator", "--no-progress"]
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines() == [

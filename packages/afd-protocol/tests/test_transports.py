@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 import math
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from afd_protocol import (
     FIRST_PARTY_TRANSPORTS,
@@ -30,18 +32,24 @@ from afd_protocol import (
     available_transports,
     get_transport,
     transport_names,
+    transports,
 )
 from afd_protocol.launch import shm_transport
 from afd_protocol.shm_registration import SHM_TRANSPORT
-from afd_protocol.transports import ENTRY_POINT_GROUP
+from afd_protocol.transports import ENTRY_POINT_GROUP, SOURCE_TREE_SPECS
 
 SHM_ENTRY = "afd_protocol.shm_registration:SHM_TRANSPORT"
 SLOT = SlotLayout(Topology(1, 2, 8), 64, 32, 2, dtype="float32")
 
 
-def registry(monkeypatch: pytest.MonkeyPatch, *entries: tuple[str, str]) -> None:
+def registry(
+    monkeypatch: pytest.MonkeyPatch, *entries: tuple[str, str], source_tree: bool = False
+) -> None:
     """Make the registry see exactly ``entries`` (``(name, "module:attribute")``), as if
-    they were the ``afd.transports`` entry points of the installed packages."""
+    they were the ``afd.transports`` entry points of the installed packages (and afd's own
+    transports importable from a source tree only with ``source_tree``)."""
+    if not source_tree:
+        monkeypatch.setattr(transports, "SOURCE_TREE_SPECS", {})
     points = [metadata.EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in entries]
     real = metadata.entry_points
 
@@ -268,3 +276,36 @@ def test_options_refuse_a_wait_timeout_that_is_not_positive(seconds: float) -> N
 def test_a_spec_needs_a_name_a_device_and_a_shared_placement(changes: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument, match="a transport needs a name, a device"):
         spec(**changes)
+
+
+def test_a_source_tree_finds_afd_transports_that_are_importable_but_not_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry(monkeypatch, source_tree=True)
+    monkeypatch.setattr(
+        transports,
+        "SOURCE_TREE_SPECS",
+        {"shm": SHM_ENTRY, "nvshmem": "afd_no_such_package.registration:SPEC"},
+    )
+    assert transport_names() == ("shm",)
+    assert get_transport("shm") is SHM_TRANSPORT
+    with pytest.raises(TransportUnavailable, match=r"pip install afd-transport-nvshmem"):
+        get_transport("nvshmem")
+
+
+def test_an_installed_registration_wins_over_the_source_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry(monkeypatch, ("shm", "afd_no_such_module.entry:SPEC"), source_tree=True)
+    with pytest.raises(TransportUnavailable, match=r"registered but does not load"):
+        get_transport("shm")
+
+
+def test_the_source_tree_table_is_what_each_package_declares() -> None:
+    packages = Path(__file__).resolve().parents[2]
+    declared: dict[str, str] = {}
+    for pyproject in sorted(packages.glob("*/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text())["project"]
+        declared.update(project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {}))
+    assert declared == dict(SOURCE_TREE_SPECS)
+    assert set(SOURCE_TREE_SPECS) == set(FIRST_PARTY_TRANSPORTS)

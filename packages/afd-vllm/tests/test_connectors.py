@@ -15,7 +15,7 @@ import torch
 from afd_vllm_workers import GEOMETRY, attention, connector, ffn, open_connection
 
 import afd_vllm
-from afd_protocol import Role
+from afd_protocol import Role, transports
 from afd_protocol.launch import launch
 from afd_vllm.connectors.factory import connector_class
 from afd_vllm.extra import AFDConfigError
@@ -55,6 +55,8 @@ def test_a_missing_transport_is_named_with_its_package(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(importlib, "import_module", without_nvshmem)
     monkeypatch.setattr(metadata, "entry_points", only_shm)
+    # nor importable from a source tree
+    monkeypatch.setattr(transports, "SOURCE_TREE_SPECS", {"shm": shm.value})
     with pytest.raises(AFDConfigError) as caught:
         connector_class("GpuAsyncAFDConnector")
     assert str(caught.value) == (

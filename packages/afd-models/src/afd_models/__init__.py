@@ -29,9 +29,10 @@ from afd_models.backends import (
 )
 from afd_models.batch import KVCache, Prompt, PromptBatch, PromptChunk, Segment, Stage
 from afd_models.config import DeepseekConfig, RopeScaling
-from afd_models.errors import BackendUnavailable, ConfigError, WeightsError
+from afd_models.errors import BackendUnavailable, ConfigError, DeviceError, WeightsError
 from afd_models.experts import ExpertWeights, GroupedRows
 from afd_models.ffn_role import FFNRoleExecutor
+from afd_models.gemm_check import check_gemms_write_every_output
 from afd_models.mlp import GatedMLP
 from afd_models.moe import MoELayer, routed_experts
 from afd_models.monolithic import MonolithicModel
@@ -70,6 +71,7 @@ __all__ = [
     "BranchScales",
     "ConfigError",
     "DeepseekConfig",
+    "DeviceError",
     "ExpertBackend",
     "ExpertWeights",
     "FFNRoleExecutor",
@@ -104,6 +106,7 @@ __all__ = [
     "WeightSource",
     "WeightsError",
     "__version__",
+    "check_gemms_write_every_output",
     "expert_backend_names",
     "get_expert_backend",
     "is_routed_expert",

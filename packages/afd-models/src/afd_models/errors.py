@@ -25,4 +25,9 @@ class BackendUnavailable(AFDError, RuntimeError):
     """An expert backend is unknown, or cannot run on this torch, device or dtype."""
 
 
-__all__ = ["BackendUnavailable", "ConfigError", "WeightsError"]
+class DeviceError(AFDError, RuntimeError):
+    """A device computes wrong results in a way a start-up probe can see (names the device,
+    what went wrong and what to change)."""
+
+
+__all__ = ["BackendUnavailable", "ConfigError", "DeviceError", "WeightsError"]

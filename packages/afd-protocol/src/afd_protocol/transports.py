@@ -7,11 +7,14 @@ A transport package registers one :class:`TransportSpec` under the Python entry-
     nvshmem = "afd_transport_nvshmem.registration:NVSHMEM_TRANSPORT"
 
 and every tool looks transports up here (:func:`get_transport`, :func:`available_transports`),
-so one place maps a name to an implementation. Discovery reads installed metadata and
-imports only the module holding each spec; a spec's :attr:`~TransportSpec.build` imports the
-implementation when called, so listing the transports on a CPU machine loads no GPU
-library. This module imports no transport package: the first-party names below are plain
-strings, used only to say which package to install for a name that is not installed.
+so one place maps a name to an implementation. afd's own transports are also found when
+their packages are importable but not installed (a source checkout on ``PYTHONPATH``, as
+``tools/gpu/suite`` runs): :data:`SOURCE_TREE_SPECS` holds the same entry-point values.
+Discovery reads installed metadata and imports only the module holding each spec; a
+spec's :attr:`~TransportSpec.build` imports the implementation when called, so listing
+the transports on a CPU machine loads no GPU library. This module imports no transport
+package: the first-party names below are plain strings, used to say which package to
+install for a name that is not installed and to find afd's own in a source tree.
 
 A spec turns a deployment's :class:`SlotLayout` and the generic :class:`TransportOptions`
 into the launcher's :data:`TransportFactory` with one call, the same for every transport::
@@ -23,6 +26,7 @@ into the launcher's :data:`TransportFactory` with one call, the same for every t
 from __future__ import annotations
 
 import enum
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -42,6 +46,17 @@ FIRST_PARTY_TRANSPORTS: Mapping[str, str] = MappingProxyType(
 )
 """afd's own transports and the pip package that provides each: only for the message of a
 lookup whose transport is not installed, and the order names are listed in."""
+
+SOURCE_TREE_SPECS: Mapping[str, str] = MappingProxyType(
+    {
+        "shm": "afd_protocol.shm_registration:SHM_TRANSPORT",
+        "nvshmem": "afd_transport_nvshmem.registration:NVSHMEM_TRANSPORT",
+        "cam-emulator": "afd_transport_cam.registration:CAM_EMULATOR_TRANSPORT",
+    }
+)
+"""afd's own entry points (as each package's ``pyproject.toml`` declares them, checked by a
+test), used for a name no installed package registers when the module is importable: a
+source checkout run without installing works as an installed one."""
 
 TransportFactory = Callable[[WindowLayout, Role, int, str, float], Connection]
 """``factory(window, role, rank, rendezvous_dir, connect_timeout)`` opens one rank's
@@ -202,8 +217,27 @@ def get_transport(name: str) -> TransportSpec:
 
 
 def _registered() -> dict[str, metadata.EntryPoint]:
-    """The entry points of :data:`ENTRY_POINT_GROUP`, by name; a name two packages claim is
-    a :class:`TransportUnavailable` naming both."""
+    """The entry points of :data:`ENTRY_POINT_GROUP`, by name, and afd's own transports
+    importable from the source tree (:data:`SOURCE_TREE_SPECS`); a name two packages claim
+    is a :class:`TransportUnavailable` naming both."""
+    found = _installed()
+    for name, value in SOURCE_TREE_SPECS.items():
+        if name not in found and _importable(value.partition(":")[0]):
+            found[name] = metadata.EntryPoint(name, value, ENTRY_POINT_GROUP)
+    return found
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be found (its top-level package imported only when the module
+    is in a subpackage, as :func:`importlib.util.find_spec` does)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def _installed() -> dict[str, metadata.EntryPoint]:
+    """The installed entry points of :data:`ENTRY_POINT_GROUP`, by name."""
     found: dict[str, metadata.EntryPoint] = {}
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
         claimed = found.get(entry.name)
@@ -265,6 +299,7 @@ def _ordered(names: Mapping[str, object]) -> tuple[str, ...]:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FIRST_PARTY_TRANSPORTS",
+    "SOURCE_TREE_SPECS",
     "DeviceSharing",
     "TransportBuilder",
     "TransportFactory",

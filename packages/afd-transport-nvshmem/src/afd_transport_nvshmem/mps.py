@@ -127,13 +127,13 @@ def check_gpu_sharing(
 
 
 VERIFIED_SHARES = (100, 50, 25)
-"""SM shares whose bf16 results were right on our GPU host. Measured 2026-12-02 on one H200
-(torch 2.11 + CUDA 13, driver 580): afd_models' monolithic model on the uneven workload's
-first 8,192-token step agreed with the whole-GPU run within 3.4e-3 as an MPS client at 25,
-50 and 100 % (32, 66, 132 SMs) and came out NaN at 33, 40, 45 and 60 % (42, 52, 58, 78
-SMs), whichever expert backend; the kernel at fault is not yet found. So the default split
-uses these shares; any other can still be asked for, and afd run's verification reports a
-NaN as a failure."""
+"""SM shares whose results were right on our GPU host. Measured 2026-12-02 on one H200
+(torch 2.11 + CUDA 13, driver 580): as an MPS client at 33 and 40 % (42 and 52 SMs) cuBLAS
+leaves elements of bf16 GEMM outputs unwritten for most row counts of every V2-Lite
+projection (the model came out NaN there, and at 45 and 60 %), at 25, 50 and 100 % (32, 66,
+132 SMs) it writes them all. So the default split uses these shares; any other can still be
+asked for, and a rank on a share whose GEMMs drop outputs stops at start-up
+(``afd_models.check_gemms_write_every_output``)."""
 
 
 def equal_shares(ranks_per_gpu: int) -> int:

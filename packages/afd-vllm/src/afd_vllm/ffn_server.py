@@ -27,7 +27,7 @@ from types import FrameType
 
 import torch
 
-from afd_models import DeepseekConfig, FFNRoleExecutor
+from afd_models import DeepseekConfig, DeviceError, FFNRoleExecutor, check_gemms_write_every_output
 from afd_models.weights import SafetensorsWeights
 from afd_protocol import AFDError, Compute, WorkItem, freeze_heap
 from afd_vllm.config import parse_afd_config
@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     try:
         return serve_ffn(args)
-    except (AFDConfigError, AFDError, OSError) as exc:
+    except (AFDConfigError, AFDError, DeviceError, OSError) as exc:
         print(f"afd-vllm ffn: error: {exc}", file=sys.stderr)
         return 2
 
@@ -123,6 +123,7 @@ def serve_ffn(args: argparse.Namespace) -> int:
     connector = create_connector(config, geometry)
     local = connector.layout().topology.local_experts(args.rank)
     started = time.perf_counter()
+    check_gemms_write_every_output(args.device)  # refuses a GPU whose GEMMs drop outputs
     executor = FFNRoleExecutor(
         model,
         local,

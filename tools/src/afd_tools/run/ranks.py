@@ -30,6 +30,7 @@ from afd_models import (
     Prompt,
     PromptChunk,
     RandomWeights,
+    check_gemms_write_every_output,
 )
 from afd_protocol import (
     AttentionEndpoint,
@@ -112,7 +113,8 @@ class LockstepEndpoint(ForwardingEndpoint):
 
 def rank_device(connection: Connection, device: str) -> torch.device:
     """Where this rank's model runs: ``device`` ("cpu", "cuda:N"); a transport on a GPU
-    must be on that same GPU."""
+    must be on that same GPU, and the GPU must pass the GEMM start-up probe
+    (:func:`afd_models.check_gemms_write_every_output`)."""
     chosen = torch.device(device)
     there = connection.device
     if there.type != "cpu" and there != chosen:
@@ -122,6 +124,7 @@ def rank_device(connection: Connection, device: str) -> torch.device:
         )
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
+        check_gemms_write_every_output(chosen)  # e.g. cuBLAS at some MPS shares
     return chosen
 
 
