@@ -21,7 +21,7 @@ from afd_protocol import Role
 from afd_protocol.launch import RankSpec, shm_transport
 from afd_tools.cli import main
 from afd_tools.prefill.workload import WorkloadError
-from afd_tools.run import command, sharing
+from afd_tools.run import launches, sharing
 from afd_tools.run.devices import place
 from afd_tools.run.sharing import (
     afd_shares,
@@ -416,7 +416,7 @@ def _spec(role: Role, rank: int) -> RankSpec:
 
 
 def _group(shares: dict[str, int]) -> Any:
-    return command._Group(
+    return launches.Launch(
         ["async"],
         [],
         None,
@@ -444,7 +444,7 @@ def test_a_launch_gets_its_ranks_mps_environments_and_the_daemon_ends_with_it(
     monkeypatch.setattr(sharing, "start_daemon", start)
     seen: list[dict[str, dict[str, str]]] = []
 
-    def fake_launch(window: Any, specs: list[RankSpec], args: Any, factory: Any) -> Any:
+    def fake_launch(window: Any, specs: list[RankSpec], timeout: Any, factory: Any) -> Any:
         (daemon,) = started
         assert daemon_processes(daemon.pipe_directory)  # alive while the ranks run
         seen.append({s.name: dict(s.env) for s in specs})
@@ -455,12 +455,12 @@ def test_a_launch_gets_its_ranks_mps_environments_and_the_daemon_ends_with_it(
             "ffn rank 0": _Result({"intervals": []}),
         }
 
-    monkeypatch.setattr(command, "_launch", fake_launch)
+    monkeypatch.setattr(launches, "_launch", fake_launch)
     if fails:
         with pytest.raises(KeyboardInterrupt):
-            _group({"attention rank 0": 30, "ffn rank 0": 70}).run(None)
+            _group({"attention rank 0": 30, "ffn rank 0": 70}).run(60.0)
     else:
-        _group({"attention rank 0": 30, "ffn rank 0": 70}).run(None)
+        _group({"attention rank 0": 30, "ffn rank 0": 70}).run(60.0)
     (daemon,) = started
     assert seen == [
         {
@@ -488,15 +488,15 @@ def test_a_launch_without_shared_gpus_starts_no_daemon(monkeypatch: pytest.Monke
     monkeypatch.setattr(sharing, "start_daemon", no_daemon)
     seen: list[dict[str, dict[str, str]]] = []
 
-    def fake_launch(window: Any, specs: list[RankSpec], args: Any, factory: Any) -> Any:
+    def fake_launch(window: Any, specs: list[RankSpec], timeout: Any, factory: Any) -> Any:
         seen.append({s.name: dict(s.env) for s in specs})
         return {
             "attention rank 0": _Result({"async": None}),
             "ffn rank 0": _Result({"intervals": []}),
         }
 
-    monkeypatch.setattr(command, "_launch", fake_launch)
-    _group({}).run(None)
+    monkeypatch.setattr(launches, "_launch", fake_launch)
+    _group({}).run(60.0)
     assert seen == [{"attention rank 0": {"KEPT": "1"}, "ffn rank 0": {"KEPT": "1"}}]
 
 
@@ -527,7 +527,7 @@ def test_colocated_mono_runs_every_request_in_one_process_and_verifies(
 
 # afd bench prefill -----------------------------------------------------------------------
 def test_bench_prefill_passes_the_mps_options_to_every_afd_run(tmp_path: Path) -> None:
-    from afd_tools.bench.prefill import QUICK, run_args
+    from afd_tools.bench.prefill import QUICK, point_job
     from afd_tools.cli import build_parser
 
     parser = build_parser()
@@ -542,14 +542,39 @@ def test_bench_prefill_passes_the_mps_options_to_every_afd_run(tmp_path: Path) -
             "--run-arg=--no-mps",
         ]
     )
-    run = parser.parse_args(run_args(bench, "tiny", "uneven", QUICK, tmp_path))
-    assert run.command == "run"
-    assert (run.share_gpus, run.mps_ffn_share, run.mps_attention_share, run.no_mps) == (
+    job = point_job(bench, "tiny", "uneven", QUICK, tmp_path)
+    assert (job.share_gpus, job.mps_ffn_share, job.mps_attention_share, job.no_mps) == (
         True,
         60,
         40,
         True,
     )
+    assert (job.preset, job.attention_ranks, job.ffn_ranks, job.stages) == ("tiny", 1, 1, 2)
+    assert job.max_num_batched_tokens == QUICK.budget
+    assert job.no_progress
+
+
+def test_a_run_arg_wins_over_the_benchmarks_own_setting(tmp_path: Path) -> None:
+    from afd_tools.bench.prefill import QUICK, point_job
+    from afd_tools.cli import build_parser
+
+    bench = build_parser().parse_args(["bench", "prefill", "--run-arg=--stages=3"])
+    job = point_job(bench, "tiny", "uniform", QUICK, tmp_path)
+    assert job.stages == 3
+    assert job.workload_file == tmp_path / "tiny-uniform.jsonl"
+    assert "--stages 3" in job.command_line()
+
+
+def _bench_run(placement: dict[str, Any] | None) -> Any:
+    from afd_tools.bench.prefill import BenchRun
+    from afd_tools.prefill.run_report import RunReport
+    from afd_tools.run.job import RunJob
+
+    report = None
+    if placement is not None:
+        deployment = RunJob(dtype="float32", backend="reference", transport="shm", colocated="dp")
+        report = RunReport(deployment.deployment("cpu"), (), {}, placement=placement)
+    return BenchRun("tiny", "uneven", "afd run", 0 if report else 1, 1.0, report)
 
 
 def test_bench_prefill_says_under_its_table_where_the_ranks_ran() -> None:
@@ -561,12 +586,7 @@ def test_bench_prefill_says_under_its_table_where_the_ranks_ran() -> None:
         "colocated_label": "colocated: monolithic model on one GPU (DP1, EP1)",
     }
     cpu = {"kind": "cpu", "sharing": "none", "colocated_label": "colocated: DP2+EP over gloo"}
-    results: list[dict[str, Any]] = [
-        {"report": {"placement": one_gpu}},
-        {"report": {"placement": one_gpu}},
-        {"exit_code": 1},
-        {"report": {"placement": cpu}},
-    ]
+    results = [_bench_run(one_gpu), _bench_run(one_gpu), _bench_run(None), _bench_run(cpu)]
     assert placement_notes(results) == [
         "Placement: cuda (GPUs shared under CUDA MPS: cuda:0 attention rank 0 50 %, ffn rank 0 "
         "50 %); colocated: monolithic model on one GPU (DP1, EP1).",

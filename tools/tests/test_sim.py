@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from afd_models import preset
 from afd_tools.cli import main
+from afd_tools.prefill.run_report import Deployment
 from afd_tools.prefill.workload import Request, assign
 from afd_tools.sim import calibrate, costs
 from afd_tools.sim.calibrate import fit_runs
@@ -339,18 +340,28 @@ def _synthetic_runs(truth: Calibration) -> list[MeasuredRun]:
         out.append(
             MeasuredRun(
                 source=f"synthetic {a}A{f}F",
-                device="cpu",
-                preset="tiny",
-                layers=None,
-                dtype="float32",
-                attention_ranks=a,
-                ffn_ranks=f,
-                budget=256,
-                stages=1,
-                colocated="dp",
-                assign="round-robin",
-                wire=Wire(),
-                workload=name,
+                deployment=Deployment(
+                    device="cpu",
+                    preset="tiny",
+                    layers=None,
+                    dtype="float32",
+                    attention_ranks=a,
+                    ffn_ranks=f,
+                    max_num_batched_tokens=256,
+                    stages=1,
+                    colocated="dp",
+                    assign="round-robin",
+                    wire_format=Wire().format,
+                    combine_reduce=Wire().combine_reduce,
+                    shared=Wire().shared,
+                    transport="shm",
+                    backend="reference",
+                    workload=name,
+                    workload_file=None,
+                    max_prompt_len=256,
+                    rate=None,
+                    seed=0,
+                ),
                 requests=tuple(requests),
                 modes=modes,
             )

@@ -1,12 +1,14 @@
 """``afd soak``: a long ``afd run`` whose rank processes are watched for leaks.
 
-Runs ``afd run`` (every mode, Poisson arrivals, an uneven mix with prompts longer than the
-batch budget, so they are prefilled in chunks) as a child process in a session of its own,
-and samples every rank process's resident memory and open file descriptors from ``/proc``
-while it runs. It passes when the run verified every output and no rank's file
-descriptors or memory grew over the run: the median of the last quarter of the samples
-against the median of the second quarter (the first is start-up), within a tolerance for
-allocator noise.
+Runs ``afd run``'s job (every mode, Poisson arrivals, an uneven mix with prompts longer
+than the batch budget, so they are prefilled in chunks) through the library
+(:func:`afd_tools.run.command.run_and_print`), and samples every rank process's resident
+memory and open file descriptors from ``/proc`` while it runs. The ranks are processes of
+their own (this process's descendants), so watching them needs no further process: a helper
+thread samples them while the main thread runs the job. It passes when the run verified
+every output and no rank's file descriptors or memory grew over the run: the median of the
+last quarter of the samples against the median of the second quarter (the first is
+start-up), within a tolerance for allocator noise.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from afd_tools.run.command import run_and_print
+from afd_tools.run.job import RunJob
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RSS_SLACK_BYTES = 32 << 20
@@ -79,20 +82,31 @@ class RankSamples:
         return ok, text
 
 
-def _session_ranks(sid: int) -> dict[int, str]:
-    """afd rank processes of session ``sid``: pid -> name (afd-attn0, afd-ffn1, ...)."""
-    found = {}
+def _descendant_ranks(root: int) -> dict[int, str]:
+    """afd rank processes descending from ``root``: pid -> name (afd-attn0, afd-ffn1, ...).
+    The ranks are children of the launch's fork server, itself a child of ``root``."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            comm = (entry / "comm").read_text().strip()
             stat = (entry / "stat").read_text()
         except OSError:
             continue
+        pid = int(entry.name)
         fields = stat[stat.rindex(")") + 2 :].split()
-        if comm.startswith("afd-") and int(fields[3]) == sid and fields[0] != "Z":
-            found[int(entry.name)] = comm
+        parents[pid] = int(fields[1])
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if comm.startswith("afd-") and fields[0] != "Z":
+            names[pid] = comm
+    found = {}
+    for pid, name in names.items():
+        ancestor, seen = parents.get(pid, 0), 0
+        while ancestor > 1 and ancestor != root and seen < 64:
+            ancestor, seen = parents.get(ancestor, 0), seen + 1
+        if ancestor == root:
+            found[pid] = name
     return found
 
 
@@ -105,61 +119,68 @@ def _sample(pid: int) -> tuple[int, int] | None:
     return resident, fds
 
 
-def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="afd-soak-") as folder:
-        report = Path(folder) / "run.json"
-        argv = [
-            sys.executable,
-            "-m",
-            "afd_tools.cli",
-            "run",
-            "--device",
-            "cpu",
-            "--requests",
-            str(args.requests),
-            "--rate",
-            str(args.rate),
-            "--workload",
-            "uneven",
-            "--max-prompt-len",
-            str(args.max_prompt_len),
-            "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens),
-            "--no-progress",
-            "--json",
-            str(report),
-        ]
-        print(f"afd soak: {' '.join(argv[3:])}", flush=True)
-        started = time.monotonic()
-        child = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, text=True)
-        ranks: dict[int, RankSamples] = {}
-        while child.poll() is None:
-            for pid, name in _session_ranks(child.pid).items():
+class Sampler:
+    """A helper thread that samples every rank process of this one (its descendants named
+    ``afd-*``) every ``interval`` seconds while the run goes on in the main thread
+    (which must launch it: Ctrl-C and SIGTERM stop the ranks from there)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.ranks: dict[int, RankSamples] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_all, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample_all(self) -> None:
+        parent = os.getpid()
+        while not self._stop.is_set():
+            for pid, name in _descendant_ranks(parent).items():
                 sample = _sample(pid)
                 if sample is not None:
-                    entry = ranks.setdefault(pid, RankSamples(name))
+                    entry = self.ranks.setdefault(pid, RankSamples(name))
                     entry.rss.append(sample[0])
                     entry.fds.append(sample[1])
-            time.sleep(args.interval)
-        output = child.stdout.read() if child.stdout is not None else ""
-        elapsed = time.monotonic() - started
-        verified = child.returncode == 0 and report.exists()
-        failures = json.loads(report.read_text())["verification_failures"] if verified else None
-    print(output.rstrip())
+            self._stop.wait(self.interval)
+
+
+def run(args: argparse.Namespace) -> int:
+    job = RunJob(
+        device="cpu",
+        requests=args.requests,
+        rate=args.rate,
+        workload="uneven",
+        max_prompt_len=args.max_prompt_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        no_progress=True,
+    )
+    print(f"afd soak: {job.command_line()}", flush=True)
+    started = time.monotonic()
+    with Sampler(args.interval) as sampler:
+        code, report = run_and_print(job)
+    elapsed = time.monotonic() - started
+    verified = code == 0 and report is not None
+    failures = report.verification["verification_failures"] if report is not None else None
     print(f"\nsampled every {args.interval:g} s over {elapsed:.0f} s:")
     passed = verified and not failures
     summary = {}
-    for entry in sorted(ranks.values(), key=lambda r: r.name):
+    for entry in sorted(sampler.ranks.values(), key=lambda r: r.name):
         ok, text = entry.verdict()
         passed = passed and ok
         summary[entry.name] = {"ok": ok, "rss": entry.rss, "fds": entry.fds}
         print(f"  {entry.name:10s} {len(entry.rss):5d} samples  {text}  {'ok' if ok else 'GREW'}")
-    if not ranks:
+    if not sampler.ranks:
         passed = False
         print("  no rank process was seen")
     if args.json is not None:
         args.json.write_text(json.dumps({"elapsed_s": elapsed, "ranks": summary}, indent=1))
     verdict = "PASS" if passed else "FAIL"
-    why = "" if verified else f" (afd run exited with {child.returncode})"
+    why = "" if verified else f" (afd run ended with {code})"
     print(f"{verdict}: outputs verified, no rank grew{why}" if passed else f"{verdict}{why}")
     return 0 if passed else 1

@@ -1,9 +1,9 @@
 """``afd bench prefill``: the main job as a benchmark table.
 
-Runs ``afd run`` (every mode: async AFD, sync AFD, colocated) for each preset and workload,
-each run in a fresh process, and gathers one table: tokens/s, TTFT p50/p99, the per-layer
-breakdown and the ratios async/sync and async/colocated, with every output verified. The
-workloads:
+Runs ``afd run``'s job (every mode: async AFD, sync AFD, colocated) for each preset and
+workload, each through the library (:func:`afd_tools.run.command.run_and_print`) in a fresh
+process, and gathers one table: tokens/s, TTFT p50/p99, the per-layer breakdown and the
+ratios async/sync and async/colocated, with every output verified. The workloads:
 
 * ``uneven`` -- the heavy-tailed preset mix of ``afd run``;
 * ``uniform`` -- the same number of requests and the same total tokens, every prompt about
@@ -29,22 +29,29 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing as mp
 import random
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from afd_tools.outputs import check_writable, write_atomically
+from afd_tools.outputs import check_writable, json_safe, write_atomically
+from afd_tools.prefill.run_report import RunReport
+from afd_tools.prefill.workload import WorkloadError, prompt_lengths
+from afd_tools.run.command import add_run_options, run_and_print
+from afd_tools.run.job import RunJob
 
 WORKLOADS = ("uneven", "uniform", "long", "balanced")
 BALANCED_LENGTH = {"v3-slice": 12288, "v2-lite": 24576, "v3-mini": 4096, "tiny": 128}
 """Prompt length per preset at which one layer's attention time is about its FFN time."""
 MARKER_BEGIN = "<!-- afd bench prefill -->"
 MARKER_END = "<!-- /afd bench prefill -->"
+_SPAWN = mp.get_context("spawn")
 
 
 @dataclass(frozen=True)
@@ -111,8 +118,6 @@ def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[
     if workload == "uneven":
         return None
     if workload == "uniform":
-        from afd_tools.prefill.workload import prompt_lengths
-
         total = sum(prompt_lengths("uneven", n, seed, size.max_prompt_len))
         base, extra = divmod(total, n)
         return [base + (i < extra) for i in range(n)]
@@ -123,43 +128,92 @@ def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[
     return [int(center * rng.uniform(0.9, 1.1)) for _ in range(n)]
 
 
-def run_args(
+def point_job(
     args: argparse.Namespace, preset: str, workload: str, size: Size, folder: Path
-) -> list[str]:
-    """The ``afd run`` command line of one (preset, workload)."""
-    argv = [
-        "run",
-        "--preset",
-        preset,
-        "--attention-ranks",
-        str(args.attention_ranks),
-        "--ffn-ranks",
-        str(args.ffn_ranks),
-        "--stages",
-        str(args.stages),
-        "--max-num-batched-tokens",
-        str(size.budget),
-        "--seed",
-        str(args.seed),
-        "--no-progress",
-    ]
+) -> RunJob:
+    """The ``afd run`` job of one (preset, workload): this benchmark's settings, then the
+    ``--run-arg`` options over them (a ``--run-arg`` wins). A workload other than
+    ``uneven`` is written as a JSONL file into ``folder``."""
+    defaults: dict[str, Any] = {
+        "preset": preset,
+        "attention_ranks": args.attention_ranks,
+        "ffn_ranks": args.ffn_ranks,
+        "stages": args.stages,
+        "max_num_batched_tokens": size.budget,
+        "seed": args.seed,
+        "no_progress": True,
+    }
     if preset in size.layers:
-        argv += ["--layers", str(size.layers[preset])]
+        defaults["layers"] = size.layers[preset]
     lengths = workload_lengths(workload, preset, size, args.seed)
     if lengths is None:
-        argv += [
-            "--workload",
-            "uneven",
-            "--requests",
-            str(size.requests),
-            "--max-prompt-len",
-            str(size.max_prompt_len),
-        ]
+        defaults |= {
+            "workload": "uneven",
+            "requests": size.requests,
+            "max_prompt_len": size.max_prompt_len,
+        }
     else:
         path = folder / f"{preset}-{workload}.jsonl"
         path.write_text("".join(json.dumps({"prompt_len": n}) + "\n" for n in lengths))
-        argv += ["--workload-file", str(path)]
-    return [*argv, *args.run_arg]
+        defaults["workload_file"] = path
+    parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
+    add_run_options(parser)
+    parser.set_defaults(**defaults)
+    return RunJob.from_args(parser.parse_args(args.run_arg))
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One (preset, workload) of the benchmark: its job, how it ended, and its report."""
+
+    preset: str
+    workload: str
+    command: str
+    """The equivalent ``afd run`` command line."""
+    exit_code: int
+    wall_s: float
+    report: RunReport | None
+    """``None`` where the run did not finish (a configuration error, a crash)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "preset": self.preset,
+            "workload": self.workload,
+            "command": self.command,
+            "exit_code": self.exit_code,
+            "wall_s": self.wall_s,
+        }
+        if self.report is not None:
+            out["report"] = json_safe(self.report.to_json())
+        return out
+
+
+def run_in_fresh_process(job: RunJob) -> tuple[int, RunReport | None]:
+    """``afd run``'s exit code and report of ``job``, run (and printed) in a fresh process,
+    so that nothing of one run -- the verifying process's CUDA context and cached memory,
+    its MPS state -- carries into the next. Ctrl-C reaches the child too (one process
+    group): it stops its ranks and ends before this returns or raises."""
+    reader, writer = _SPAWN.Pipe(duplex=False)
+    child = _SPAWN.Process(target=_run_child, args=(job, writer), name="afd-bench-run")
+    child.start()
+    writer.close()
+    answer: tuple[int, RunReport | None] | None = None
+    try:
+        answer = reader.recv()
+    except EOFError:  # the child died before it could answer
+        pass
+    finally:
+        child.join()
+        reader.close()
+    return answer if answer is not None else (child.exitcode or 1, None)
+
+
+def _run_child(job: RunJob, results: Connection) -> None:
+    """In the fresh process: run ``job`` as ``afd run`` does and send back the outcome."""
+    answer = run_and_print(job)
+    sys.stdout.flush()
+    results.send(answer)
+    results.close()
 
 
 def run_prefill(args: argparse.Namespace) -> int:
@@ -175,41 +229,35 @@ def run_prefill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    results: list[dict[str, Any]] = []
-    failed = 0
+    results: list[BenchRun] = []
     with tempfile.TemporaryDirectory(prefix="afd-bench-prefill-") as tmp:
-        folder = Path(tmp)
         points = [(p, w) for p in presets for w in workloads]
-        for index, (preset, workload) in enumerate(points, 1):
-            report = folder / f"{preset}-{workload}.json"
-            argv = [*run_args(args, preset, workload, size, folder), "--json", str(report)]
-            print(f"[{index}/{len(points)}] afd {' '.join(argv)}", flush=True)
+        try:
+            jobs = [point_job(args, p, w, size, Path(tmp)) for p, w in points]
+        except WorkloadError as exc:
+            print(f"afd bench prefill: error: {exc}", file=sys.stderr)
+            return 2
+        for index, ((preset, workload), job) in enumerate(zip(points, jobs, strict=True), 1):
+            command = job.command_line()
+            print(f"[{index}/{len(points)}] {command}", flush=True)
             start = time.perf_counter()
-            child = subprocess.run([sys.executable, "-m", "afd_tools.cli", *argv], check=False)
-            entry: dict[str, Any] = {
-                "preset": preset,
-                "workload": workload,
-                "command": "afd " + " ".join(argv[:-2]),
-                "exit_code": child.returncode,
-                "wall_s": time.perf_counter() - start,
-            }
-            if report.exists():
-                entry["report"] = json.loads(report.read_text())
-            failed += child.returncode != 0
-            results.append(entry)
+            code, report = run_in_fresh_process(job)
+            wall = time.perf_counter() - start
+            results.append(BenchRun(preset, workload, command, code, wall, report))
     table = markdown_table(results)
     print(table)
     if args.json is not None:
-        data = json.dumps({"size": size.__dict__, "runs": results}, indent=2)
+        runs = [r.to_json() for r in results]
+        data = json.dumps({"size": size.__dict__, "runs": runs}, indent=2)
         write_atomically(args.json, lambda tmp: tmp.write_text(data))
         print(f"wrote {args.json}")
     if args.docs is not None:
         update_docs(args.docs, table)
         print(f"updated {args.docs}")
-    return 1 if failed else 0
+    return 1 if any(r.exit_code != 0 for r in results) else 0
 
 
-def markdown_table(results: list[dict[str, Any]]) -> str:
+def markdown_table(results: Sequence[BenchRun]) -> str:
     """One row per (preset, workload, mode); a failed or unverified run says so."""
     lines = [
         "| preset | workload | mode | tokens/s | TTFT p50 s | TTFT p99 s | per layer: compute / "
@@ -217,16 +265,16 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for entry in results:
-        report = entry.get("report")
+        report = entry.report
         if report is None:
             lines.append(
-                f"| {entry['preset']} | {entry['workload']} | - | failed (exit "
-                f"{entry['exit_code']}) | | | | | | no |"
+                f"| {entry.preset} | {entry.workload} | - | failed (exit "
+                f"{entry.exit_code}) | | | | | | no |"
             )
             continue
-        modes = report["modes"]
+        modes = report.modes
         for mode, m in modes.items():
-            b = m.get("breakdown", {})
+            b = m.breakdown
             split = " / ".join(
                 f"{b[k]:.2f}" if k in b else "-"
                 for k in ("compute_ms_per_layer", "dispatch_ms_per_layer", "combine_ms_per_layer")
@@ -234,23 +282,23 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             item = f"{b['ffn_ms_per_item']:.2f}" if "ffn_ms_per_item" in b else "-"
             ratio = "-"
             if mode != "async" and "async" in modes:
-                ratio = f"{modes['async']['tokens_per_s'] / m['tokens_per_s']:.2f}x"
+                ratio = f"{modes['async'].tokens_per_s / m.tokens_per_s:.2f}x"
             verdict = _verified(report, mode)
             lines.append(
-                f"| {entry['preset']} | {entry['workload']} | {mode} | {m['tokens_per_s']:.0f} | "
-                f"{m['ttft_p50']:.3f} | {m['ttft_p99']:.3f} | {split} | {item} | {ratio} | "
+                f"| {entry.preset} | {entry.workload} | {mode} | {m.tokens_per_s:.0f} | "
+                f"{m.ttft_p50:.3f} | {m.ttft_p99:.3f} | {split} | {item} | {ratio} | "
                 f"{verdict} |"
             )
     notes = placement_notes(results)
     return "\n".join([*lines, *([""] if notes else []), *notes])
 
 
-def placement_notes(results: list[dict[str, Any]]) -> list[str]:
+def placement_notes(results: Sequence[BenchRun]) -> list[str]:
     """One line per distinct placement of the runs: the device, how the ranks shared GPUs
     (under CUDA MPS, with each rank's share) and the colocated baseline."""
     notes: list[str] = []
     for entry in results:
-        placement = (entry.get("report") or {}).get("placement", {})
+        placement = entry.report.placement if entry.report is not None else {}
         if "colocated_label" not in placement:
             continue
         sharing = placement.get("sharing", "none")
@@ -261,21 +309,22 @@ def placement_notes(results: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
-def _verified(report: dict[str, Any], mode: str) -> str:
+def _verified(report: RunReport, mode: str) -> str:
     """The table's verdict for one mode: yes or no, the worst error, near ties followed.
 
-    A worst error that is missing (``null``: not finite) or not a finite number (a report
-    of an older afd, which wrote NaN) is a failure whatever the failures list says."""
-    worst = report.get("verification_worst", {}).get(mode, {})
+    A worst error that is missing (``None``: not finite) or not a finite number is a
+    failure whatever the failures list says."""
+    verification = report.verification
+    worst = verification.get("verification_worst", {}).get(mode, {})
     error = worst.get("relative_error")
     finite = isinstance(error, int | float) and math.isfinite(error)
-    failed = mode in report["verification_failures"] or (bool(worst) and not finite)
+    failed = mode in verification.get("verification_failures", {}) or (bool(worst) and not finite)
     verdict = "no" if failed else "yes"
     if finite:
         verdict += f" ({error:.1e})"
     elif worst:
         verdict += " (not finite)"
-    followed = report.get("verification_near_ties", {}).get(mode, {}).get("followed", 0)
+    followed = verification.get("verification_near_ties", {}).get(mode, {}).get("followed", 0)
     if followed:
         verdict += f", {followed} near ties followed"
     return verdict

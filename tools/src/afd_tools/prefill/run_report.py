@@ -33,7 +33,10 @@ VERIFICATION_PREFIX = "verification_"
 
 @dataclass(frozen=True)
 class Deployment:
-    """The deployment a run measured, as ``afd run`` resolved it (device defaults applied)."""
+    """The deployment a run measured, as ``afd run`` resolved it (device defaults applied).
+
+    ``afd run`` derives it from its job (``afd_tools.run.job.RunJob.deployment``: each field
+    here is the job's field of the same name), and the simulator reads it back."""
 
     device: str
     """``cpu`` or ``cuda`` (never ``auto``: the device the ranks ran on)."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from afd_models import DeepseekConfig, preset
-from afd_tools.prefill.run_report import RunReport
+from afd_tools.prefill.run_report import Deployment, RunReport
 from afd_tools.prefill.typed_json import ReportError
 from afd_tools.prefill.workload import Request
 from afd_tools.sim.costs import SimError, Wire
@@ -27,23 +28,64 @@ from afd_tools.sim.costs import SimError, Wire
 @dataclass(frozen=True)
 class MeasuredRun:
     """One ``afd run`` report: the deployment, the exact requests, and what each mode
-    measured (the ``modes`` object of the report)."""
+    measured (the ``modes`` object of the report). The deployment's fields the simulator
+    reads are properties of the run too (``run.budget`` is its batching budget)."""
 
     source: str
-    device: str
-    preset: str
-    layers: int | None
-    dtype: str
-    attention_ranks: int
-    ffn_ranks: int
-    budget: int
-    stages: int
-    colocated: str
-    assign: str
-    wire: Wire
-    workload: str
+    deployment: Deployment
     requests: tuple[Request, ...]
     modes: dict[str, dict[str, Any]]
+
+    @property
+    def device(self) -> str:
+        return self.deployment.device
+
+    @property
+    def preset(self) -> str:
+        return self.deployment.preset
+
+    @property
+    def layers(self) -> int | None:
+        return self.deployment.layers
+
+    @property
+    def dtype(self) -> str:
+        return self.deployment.dtype
+
+    @property
+    def attention_ranks(self) -> int:
+        return self.deployment.attention_ranks
+
+    @property
+    def ffn_ranks(self) -> int:
+        return self.deployment.ffn_ranks
+
+    @property
+    def budget(self) -> int:
+        """Tokens per prefill step and replica (``--max-num-batched-tokens``)."""
+        return self.deployment.max_num_batched_tokens
+
+    @property
+    def stages(self) -> int:
+        return self.deployment.stages
+
+    @property
+    def colocated(self) -> str:
+        return self.deployment.colocated
+
+    @property
+    def assign(self) -> str:
+        return self.deployment.assign
+
+    @property
+    def wire(self) -> Wire:
+        d = self.deployment
+        return Wire(d.wire_format, d.combine_reduce, d.shared)
+
+    @property
+    def workload(self) -> str:
+        """The workload by name (:attr:`Deployment.workload_name`)."""
+        return self.deployment.workload_name
 
     @property
     def config(self) -> DeepseekConfig:
@@ -73,21 +115,9 @@ def parse_report(report: Any, where: str) -> MeasuredRun:
 
 def measured_run(report: RunReport, where: str) -> MeasuredRun:
     """The simulator's view of a typed run report."""
-    d = report.deployment
     return MeasuredRun(
         source=where,
-        device=d.device,
-        preset=d.preset,
-        layers=d.layers,
-        dtype=d.dtype,
-        attention_ranks=d.attention_ranks,
-        ffn_ranks=d.ffn_ranks,
-        budget=d.max_num_batched_tokens,
-        stages=d.stages,
-        colocated=d.colocated,
-        assign=d.assign,
-        wire=Wire(d.wire_format, d.combine_reduce, d.shared),
-        workload=d.workload_name,
+        deployment=report.deployment,
         requests=tuple(
             Request(r.request_id, r.prompt_len, r.arrival, r.replica) for r in report.requests
         ),
@@ -100,53 +130,78 @@ def measured_run(report: RunReport, where: str) -> MeasuredRun:
 # shipped run bundle among them -- still load.
 
 
-def _legacy_arg(args: dict[str, Any], key: str, where: str) -> str:
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, reading the string ``None`` as ``None``."""
+    return lambda text: None if text == "None" else parse(text)
+
+
+def _flag(text: str) -> bool:
+    if text not in ("True", "False"):
+        raise ValueError(f"{text!r} is not True or False")
+    return text == "True"
+
+
+_LEGACY_REQUIRED: dict[str, Callable[[str], Any]] = {
+    "device": str,
+    "preset": str,
+    "layers": _optional(int),
+    "dtype": str,
+    "attention_ranks": int,
+    "ffn_ranks": int,
+    "max_num_batched_tokens": int,
+    "stages": int,
+    "colocated": str,
+    "assign": str,
+    "wire_format": str,
+    "combine_reduce": str,
+    "shared": str,
+    "workload": str,
+    "workload_file": _optional(str),
+}
+"""The ``args`` every unversioned report has, each with how its string is read."""
+_LEGACY_OPTIONAL: dict[str, tuple[Callable[[str], Any], Any]] = {
+    "transport": (str, "shm"),
+    "backend": (str, "reference"),
+    "max_prompt_len": (int, 256),
+    "rate": (_optional(float), None),
+    "seed": (int, 0),
+    "cam_dynamic_quant": (_flag, False),
+}
+"""The ``args`` that early reports may lack (their options came later): how each is read,
+and the value ``afd run`` used before the option existed."""
+
+
+def _legacy_arg(args: dict[str, Any], key: str, parse: Callable[[str], Any], where: str) -> Any:
     if key not in args:
         raise SimError(f"{where}: the report's args lack {key!r} (not an afd run --json report?)")
-    return str(args[key])
-
-
-def _legacy_none_or_int(value: str) -> int | None:
-    return None if value == "None" else int(value)
+    return parse(str(args[key]))
 
 
 def parse_legacy_report(report: Any, where: str) -> MeasuredRun:
     """A :class:`MeasuredRun` from an unversioned ``afd run --json`` object (no
-    ``schema``): its deployment parsed back from the ``args`` strings."""
+    ``schema``): its :class:`Deployment` parsed back from the ``args`` strings (the device
+    as placed where the report says, since ``args`` may say ``auto``)."""
     if not isinstance(report, dict) or "args" not in report or "modes" not in report:
         raise SimError(f"{where}: not an afd run --json report (no 'args' and 'modes')")
     args = report["args"]
     try:
+        values = {
+            key: _legacy_arg(args, key, read, where) for key, read in _LEGACY_REQUIRED.items()
+        }
+        for key, (read, fallback) in _LEGACY_OPTIONAL.items():
+            values[key] = _legacy_arg(args, key, read, where) if key in args else fallback
+        placed = report.get("placement", {})
+        if values["device"] == "auto" and isinstance(placed, dict) and "kind" in placed:
+            values["device"] = str(placed["kind"])
         requests = tuple(
             Request(
                 int(r["request_id"]), int(r["prompt_len"]), float(r["arrival"]), int(r["replica"])
             )
             for r in report["requests"]
         )
-        workload_file = _legacy_arg(args, "workload_file", where)
-        workload = (
-            Path(workload_file).stem
-            if workload_file != "None"
-            else _legacy_arg(args, "workload", where)
-        )
         return MeasuredRun(
             source=where,
-            device=_legacy_arg(args, "device", where),
-            preset=_legacy_arg(args, "preset", where),
-            layers=_legacy_none_or_int(_legacy_arg(args, "layers", where)),
-            dtype=_legacy_arg(args, "dtype", where),
-            attention_ranks=int(_legacy_arg(args, "attention_ranks", where)),
-            ffn_ranks=int(_legacy_arg(args, "ffn_ranks", where)),
-            budget=int(_legacy_arg(args, "max_num_batched_tokens", where)),
-            stages=int(_legacy_arg(args, "stages", where)),
-            colocated=_legacy_arg(args, "colocated", where),
-            assign=_legacy_arg(args, "assign", where),
-            wire=Wire(
-                _legacy_arg(args, "wire_format", where),
-                _legacy_arg(args, "combine_reduce", where),
-                _legacy_arg(args, "shared", where),
-            ),
-            workload=workload,
+            deployment=Deployment(**values),
             requests=requests,
             modes=dict(report["modes"]),
         )

@@ -1,0 +1,157 @@
+"""``afd run`` as a library call: :func:`run_job` launches a job's ranks, runs its modes,
+verifies every output and returns the typed report, printing nothing.
+
+::
+
+    from afd_tools.run.api import run_job
+    from afd_tools.run.job import RunJob
+
+    report = run_job(RunJob(device="cpu", requests=8, max_prompt_len=48))
+    report.modes["async"].tokens_per_s, report.verification["verification_failures"]
+
+Where the caller prints while it runs (``afd run`` prints the plan before launching and
+draws a progress bar), it takes the two steps itself: :func:`~afd_tools.run.plan.prepare`
+(every configuration error, before anything starts) and :func:`execute`, which also hands
+back the verdict and the raw per-launch outcomes (the timeline plot's input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from afd_models import MonolithicModel
+from afd_tools.prefill.metrics import ModeSummary, ratios, summarize
+from afd_tools.prefill.run_report import RunReport
+from afd_tools.run import ranks
+from afd_tools.run.devices import Placement
+from afd_tools.run.job import RunJob
+from afd_tools.run.launches import SPAWN, Outcome, launches
+from afd_tools.run.plan import RunPlan, prepare
+from afd_tools.run.sharing import describe_sharing
+from afd_tools.run.verify import Checks, Verdict, verify
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What :func:`execute` measured: the report, and what it was made from."""
+
+    report: RunReport
+    verdict: Verdict
+    """Every request's check (:meth:`Verdict.pass_line` / :meth:`Verdict.fail_line`)."""
+    outcomes: list[Outcome]
+    """Per launch: modes, requests, per-replica results by mode, FFN intervals."""
+
+    @property
+    def passed(self) -> bool:
+        """Whether every request of every mode matched the reference."""
+        return not self.verdict.failures()
+
+
+def run_job(job: RunJob) -> RunReport:
+    """Run ``job``: launch its ranks, run its modes, verify every output; the report (its
+    ``verification`` says whether every output matched). Configuration errors raise
+    :class:`~afd_tools.prefill.workload.WorkloadError` or :class:`~afd_protocol.AFDError`
+    before any process starts."""
+    return execute(prepare(job)).report
+
+
+def execute(plan: RunPlan, on_request: Callable[[], None] | None = None) -> RunResult:
+    """Run the plan's launches one after the other, then verify every request of every mode
+    against the monolithic reference. ``on_request`` is called (from a helper thread) each
+    time a rank finishes a request's prefill."""
+    job = plan.job
+    with _progress(on_request) as progress:
+        outcomes = [build(progress).run(job.run_timeout) for build in launches(plan)]
+    verdict = Verdict(_verify(plan, outcomes), job.tolerance, job.margin)
+    summaries: dict[str, ModeSummary] = {}
+    for group_modes, group_requests, values, intervals in outcomes:
+        for mode in group_modes:
+            summaries[mode] = summarize(mode, group_requests, [v[mode] for v in values], intervals)
+    summaries = {m: summaries[m] for m in plan.modes}
+    report = RunReport(
+        deployment=job.deployment(plan.placement.kind),
+        requests=tuple(plan.requests),
+        modes=summaries,
+        ratios=ratios(summaries),
+        placement=placement_record(plan.placement, plan.shares),
+        verification=verdict.as_json(),
+        args=job.as_args(),
+    )
+    return RunResult(report, verdict, outcomes)
+
+
+def placement_record(placement: Placement, shares: dict[str, int]) -> dict[str, Any]:
+    """The report's ``placement``: every rank's device, the colocated baseline in words, and
+    how the AFD ranks shared GPUs (``mps_shares``: percent by rank name, empty when no GPU
+    was shared under MPS)."""
+    return placement.__dict__ | {
+        "exchange": placement.exchange,
+        "colocated_label": f"colocated: {placement.colocated_label}",
+        "sharing": describe_sharing(placement, shares) or "none",
+        "mps_shares": dict(shares),
+    }
+
+
+@contextlib.contextmanager
+def _progress(on_request: Callable[[], None] | None) -> Iterator[Connection]:
+    """The writing end of a pipe the ranks report finished requests into, while a helper
+    thread calls ``on_request`` for each (none reads it without ``on_request``)."""
+    reader, writer = SPAWN.Pipe(duplex=False)
+    stop = threading.Event()
+    thread = None
+    if on_request is not None:
+        thread = threading.Thread(
+            target=_forward_progress, args=(reader, on_request, stop), daemon=True
+        )
+        thread.start()
+    try:
+        yield writer
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=5)
+        reader.close()
+        writer.close()
+
+
+def _forward_progress(
+    progress: Connection, on_request: Callable[[], None], stop: threading.Event
+) -> None:
+    while not stop.is_set():
+        if progress.poll(0.1):
+            try:
+                progress.recv_bytes()
+            except (EOFError, OSError):
+                return
+            on_request()
+
+
+def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
+    """Check every request of every mode against the monolithic model on the first
+    attention replica's device, with the FFN ranks' expert backend, replaying each
+    replica's own steps and following its expert choice at routing near ties
+    (:mod:`afd_tools.run.verify`)."""
+    job, config = plan.job, plan.config
+    dtype = getattr(torch, job.resolved("dtype"))
+    device = plan.placement.attention[0]
+    weights = ranks.random_weights(job.seed, torch.device(device))
+    backend = job.resolved("backend")
+    reference = MonolithicModel(config, weights, dtype=dtype, device=device, backend=backend)
+    prompts = {
+        r.request_id: ranks.request_tokens(r, config.vocab_size, job.seed)
+        for _, requests, _, _ in outcomes
+        for r in requests
+    }
+    checks = verify(reference, outcomes, prompts, job.margin)
+    del reference
+    return checks
+
+
+__all__ = ["RunResult", "execute", "placement_record", "prepare", "run_job"]

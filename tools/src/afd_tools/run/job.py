@@ -1,0 +1,235 @@
+"""What ``afd run`` runs, as one frozen, validated object: :class:`RunJob`.
+
+A job is the deployment (A attention replicas, F FFN ranks, model shapes, batching budget,
+dtype, wire format, who reduces, where shared experts run, stages, device, transport,
+expert backend, how ranks share GPUs), the workload, the modes to compare, the
+verification's tie margin, the seeds and timeouts, and the output options. ``afd run``
+builds one from its command line (:meth:`RunJob.from_args`, the one place that reads the
+parsed options); ``afd bench prefill`` and ``afd soak`` build theirs directly, and
+:func:`afd_tools.run.api.run_job` runs any of them.
+
+Fields left ``None`` (``dtype``, ``backend``, ``transport``, ``colocated``) follow from the
+device when the job is planned (:func:`afd_tools.run.plan.prepare`); what a job may be is
+checked at construction, with an error naming the option to change. Checks that need the
+machine (is there a GPU, is the transport installed, do the ranks fit the GPUs) wait for
+the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from afd_models import PRESET_NAMES
+from afd_protocol import CombineReduce, SharedPlacement, WireFormat
+from afd_tools.prefill.run_report import Deployment
+from afd_tools.prefill.workload import ASSIGNMENTS, PRESETS, WorkloadError
+from afd_tools.run.devices import COLOCATED
+from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN
+
+MODES = ("async", "sync", "colocated")
+"""The modes ``afd run`` compares, in the order they run."""
+DEVICES = ("auto", "cpu", "cuda")
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+"""Relative error a request's output may have against the monolithic reference, by dtype."""
+QUANT_TOLERANCE = 5e-2
+"""Relative error allowed when dispatch rows travel as int8 (about amax / 254 per element,
+compounded over the layers)."""
+
+
+def option(name: str) -> str:
+    """The ``afd run`` option of the job field ``name`` (``max_num_batched_tokens`` ->
+    ``--max-num-batched-tokens``)."""
+    return "--" + name.replace("_", "-")
+
+
+def _choose(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
+    if value not in choices:
+        raise WorkloadError(f"{option(name)} {value}: choose one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """Everything one ``afd run`` needs; the defaults are ``afd run``'s.
+
+    The field names are the option names of ``afd run`` (``--attention-ranks`` is
+    :attr:`attention_ranks`), except :attr:`modes`, which ``--mode`` gives one or all of.
+    """
+
+    # where the ranks run and how they share GPUs
+    device: str = "auto"
+    """``auto`` (cuda when a GPU is visible), ``cpu`` or ``cuda``."""
+    share_gpus: bool = False
+    mps_attention_share: int | None = None
+    """Percent of its GPU's SMs each attention rank may use, where ranks share GPUs."""
+    mps_ffn_share: int | None = None
+    no_mps: bool = False
+    # the model and the AFD deployment
+    preset: str = "tiny"
+    layers: int | None = None
+    """Overrides the preset's layer count (``None``: the preset's own)."""
+    attention_ranks: int = 2
+    ffn_ranks: int = 2
+    modes: tuple[str, ...] = MODES
+    # the workload
+    workload: str = "uneven"
+    workload_file: Path | None = None
+    """JSONL prompts (overrides :attr:`workload`, :attr:`requests`, :attr:`max_prompt_len`)."""
+    requests: int = 48
+    max_prompt_len: int = 256
+    rate: float | None = None
+    """Poisson arrivals per second (``None``: all at once)."""
+    assign: str = "round-robin"
+    max_num_batched_tokens: int = 256
+    """Tokens per prefill step and replica: the batching budget and the slot capacity."""
+    dtype: str | None = None
+    tie_margin: float | None = None
+    """Verification: the router-score gap of a near tie (``None``: the dtype's default)."""
+    colocated: str | None = None
+    # the wire
+    stages: int = 1
+    shared: str = SharedPlacement.ATTENTION.value
+    wire_format: str = WireFormat.PER_RANK.value
+    combine_reduce: str = CombineReduce.FFN.value
+    transport: str | None = None
+    cam_dynamic_quant: bool = False
+    backend: str | None = None
+    # seeds and limits
+    seed: int = 0
+    """Seeds the weights and the workload."""
+    timeout: float = 120.0
+    """Seconds an attention rank waits for FFN replies."""
+    run_timeout: float = 1800.0
+    """Seconds the whole run may take."""
+    # outputs (written by the command, checked before anything runs)
+    json: Path | None = None
+    plot: Path | None = None
+    no_progress: bool = False
+
+    def __post_init__(self) -> None:
+        _choose("device", self.device, DEVICES)
+        _choose("preset", self.preset, PRESET_NAMES)
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise WorkloadError(f"--mode {','.join(self.modes)}: choose from {', '.join(MODES)}")
+        if len(set(self.modes)) != len(self.modes):
+            raise WorkloadError(f"--mode {','.join(self.modes)}: each mode once")
+        _choose("workload", self.workload, PRESETS)
+        _choose("assign", self.assign, ASSIGNMENTS)
+        if self.dtype is not None:
+            _choose("dtype", self.dtype, sorted(TOLERANCE))
+        if self.colocated is not None:
+            _choose("colocated", self.colocated, COLOCATED)
+        _choose("shared", self.shared, [s.value for s in SharedPlacement])
+        _choose("wire_format", self.wire_format, [w.value for w in WireFormat])
+        _choose("combine_reduce", self.combine_reduce, [c.value for c in CombineReduce])
+        if self.stages < 1:
+            raise WorkloadError(f"--stages must be >= 1, got {self.stages}")
+        if self.attention_ranks < 1 or self.ffn_ranks < 1:
+            raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
+        if self.layers is not None and self.layers < 1:
+            raise WorkloadError(f"--layers must be >= 1, got {self.layers}")
+        if self.max_num_batched_tokens < 1:
+            raise WorkloadError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.tie_margin is not None and not 0 <= self.tie_margin <= 1:
+            raise WorkloadError(f"--tie-margin must be within [0, 1], got {self.tie_margin}")
+        for name in ("timeout", "run_timeout"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise WorkloadError(f"{option(name)} must be > 0 seconds, got {value}")
+        if self.combine_reduce == CombineReduce.FFN.value and self.wire_format != "per_rank":
+            raise WorkloadError(
+                "--combine-reduce ffn needs --wire-format per_rank (per_choice rows carry no "
+                "weights for the FFN ranks to reduce with); add --combine-reduce attention"
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunJob:
+        """The job of ``afd run``'s parsed options (every field from the option of its name;
+        ``--mode all`` is every mode)."""
+        values = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "modes"
+        }
+        return cls(modes=MODES if args.mode == "all" else (args.mode,), **values)
+
+    @property
+    def mode_option(self) -> str:
+        """:attr:`modes` as ``--mode`` says it: ``all``, one mode, or several joined by
+        commas (which only a job built in code has)."""
+        return "all" if self.modes == MODES else ",".join(self.modes)
+
+    def as_args(self) -> dict[str, str]:
+        """Every option as a string, by option name, as the report's ``args`` keeps them
+        for a person reading it."""
+        out = {"command": "run"}
+        for f in dataclasses.fields(self):
+            name, value = f.name, getattr(self, f.name)
+            if name == "modes":
+                name, value = "mode", self.mode_option
+            out[name] = str(value)
+        return out
+
+    def command_line(self) -> str:
+        """The ``afd run`` command that runs this job (the options that differ from the
+        defaults), for a person to read or rerun."""
+        default = RunJob()
+        words = ["afd", "run"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == getattr(default, f.name):
+                continue
+            if f.name == "modes":
+                words += ["--mode", self.mode_option]
+            elif isinstance(value, bool):
+                words.append(option(f.name))
+            else:
+                words += [option(f.name), str(value)]
+        return " ".join(shlex.quote(w) for w in words)
+
+    @property
+    def tolerance(self) -> float:
+        """The relative error a request's output may have (the dtype's, or int8's with
+        :attr:`cam_dynamic_quant`); the dtype must be resolved."""
+        return QUANT_TOLERANCE if self.cam_dynamic_quant else TOLERANCE[self.resolved("dtype")]
+
+    @property
+    def margin(self) -> float:
+        """The router-score gap under which verification follows the run's experts."""
+        if self.tie_margin is not None:
+            return float(self.tie_margin)
+        if self.cam_dynamic_quant:
+            return QUANT_TIE_MARGIN
+        return TIE_MARGIN[self.resolved("dtype")]
+
+    def deployment(self, device: str) -> Deployment:
+        """The report's record of this (resolved) job on ``device`` (``cpu`` or ``cuda``):
+        each :class:`~afd_tools.prefill.run_report.Deployment` field is this job's field of
+        the same name."""
+        values = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(Deployment)
+            if f.name != "device"
+        }
+        for name in ("dtype", "backend", "transport", "colocated"):
+            values[name] = self.resolved(name)
+        if self.workload_file is not None:
+            values["workload_file"] = str(self.workload_file)
+        if self.rate is not None:
+            values["rate"] = float(self.rate)
+        return Deployment(device=device, **values)
+
+    def resolved(self, name: str) -> str:
+        """The value of ``name`` (``dtype``, ``backend``, ``transport``, ``colocated``) once
+        the plan has filled it in."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(
+                f"RunJob.{name} is not resolved yet (it follows from the device when the job "
+                "is planned: afd_tools.run.plan.prepare)"
+            )
+        return str(value)
