@@ -4,6 +4,7 @@ multi-participant replicas, and the errors that catch mismatched roles."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import afd_models_naive as naive
@@ -12,20 +13,25 @@ import torch
 
 from afd_models import (
     AttentionRoleModel,
+    ComputeWrapper,
     ConfigError,
+    DeepseekConfig,
     FFNRoleExecutor,
     MonolithicModel,
     RandomWeights,
 )
 from afd_models import preset as make_preset
 from afd_protocol import (
+    Compute,
     EndpointOptions,
     FFNEndpoint,
     RingExhausted,
     Role,
+    ServeStats,
     SlotLayout,
     Topology,
     WindowLayout,
+    WorkItem,
 )
 from afd_protocol.window import LoopbackWorld
 
@@ -92,6 +98,41 @@ def serve_in_threads(
     return threads, results
 
 
+def prefill_in_threads(
+    world: LoopbackWorld,
+    config: DeepseekConfig,
+    prompts: dict[int, list[list[int]]],
+    stages: dict[int, int],
+    ffn_threads: list[threading.Thread],
+    *,
+    shared: str = "attention",
+) -> dict[int, Any]:
+    """Each attention rank of ``prompts`` prefills its prompts in a thread with
+    ``stages[rank]`` stages, then announces shutdown; waits for them and ``ffn_threads``.
+    Returns each rank's last hidden states (float ``[tokens, hidden]``) or its exception."""
+    outputs: dict[int, Any] = {}
+
+    def attend(rank: int) -> None:
+        endpoint = world.connection(Role.ATTENTION, rank).attention_endpoint(
+            EndpointOptions(timeout=20.0)
+        )
+        model = AttentionRoleModel(config, RandomWeights(SEED), shared_placement=shared)
+        try:
+            out = model.forward(prompts[rank], endpoint, num_stages=stages[rank])
+            outputs[rank] = out.hidden_states
+            endpoint.announce_shutdown()
+        except Exception as exc:  # reported to the test thread
+            outputs[rank] = exc
+            endpoint.abort()
+
+    ranks = [threading.Thread(target=attend, args=(r,), daemon=True) for r in prompts]
+    for t in ranks:
+        t.start()
+    for t in ranks + ffn_threads:
+        t.join(timeout=60)
+    return outputs
+
+
 @pytest.mark.parametrize(
     ("wire", "reduce"),
     [("per_choice", "attention"), ("per_rank", "ffn"), ("per_rank", "attention")],
@@ -104,25 +145,7 @@ def test_replica_of_two_participants_and_grouped_mm_ffn(wire: str, reduce: str) 
     threads, served = serve_in_threads(world, "v3-mini", torch.float32, "ffn", "grouped_mm")
     config = make_preset("v3-mini")
     prompts = {0: [[1, 2, 3, 4, 5, 6, 7], [9, 8]], 1: [[40, 41, 42], [300] * 11]}
-    outputs: dict[int, Any] = {}
-
-    def attend(rank: int) -> None:
-        endpoint = world.connection(Role.ATTENTION, rank).attention_endpoint(
-            EndpointOptions(timeout=20.0)
-        )
-        model = AttentionRoleModel(config, RandomWeights(SEED), shared_placement="ffn")
-        try:
-            outputs[rank] = model.forward(prompts[rank], endpoint, num_stages=2).hidden_states
-            endpoint.announce_shutdown()
-        except Exception as exc:  # reported to the test thread
-            outputs[rank] = exc
-            endpoint.abort()
-
-    ranks = [threading.Thread(target=attend, args=(r,), daemon=True) for r in (0, 1)]
-    for t in ranks:
-        t.start()
-    for t in ranks + threads:
-        t.join(timeout=60)
+    outputs = prefill_in_threads(world, config, prompts, {0: 2, 1: 2}, threads, shared="ffn")
     reference = MonolithicModel(config, RandomWeights(SEED))
     for rank in (0, 1):
         assert isinstance(outputs[rank], torch.Tensor), outputs[rank]
@@ -216,3 +239,61 @@ def test_ffn_executor_rejects_what_its_config_cannot_serve() -> None:
         FFNRoleExecutor(config, dense.local_experts).compute(dense.next_work_item())
     with pytest.raises(ConfigError, match="local_experts"):
         FFNRoleExecutor(config, [8])
+
+
+def test_the_ffn_rank_program_serves_a_connection_with_wrappers_and_live_stats() -> None:
+    """``serve_rank`` (what afd run's FFN ranks and afd-vllm ffn both run): the endpoint
+    opens with the given options before ``on_ready``, the compute wrappers nest in order,
+    idle stretches longer than the endpoint's timeout are waited out, and the stats the
+    caller holds count every replica's items; the prefill still equals monolithic's."""
+    config = make_preset("tiny")
+    world = LoopbackWorld(window_for("tiny", 2, 2))
+    layers = len(config.moe_layers)
+    ready: dict[int, int] = {}
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    stats = {0: ServeStats(), 1: ServeStats()}
+    results: dict[int, Any] = {}
+
+    def tag(rank: int, name: str) -> ComputeWrapper:
+        def wrap(compute: Compute) -> Compute:
+            def run(item: WorkItem) -> tuple[torch.Tensor, torch.Tensor | None]:
+                calls[rank].append(name)
+                return compute(item)
+
+            return run
+
+        return wrap
+
+    def serve_rank(rank: int) -> None:
+        connection = world.connection(Role.FFN, rank)
+        executor = FFNRoleExecutor(
+            config, world.window.slot.topology.local_experts(rank), RandomWeights(SEED)
+        )
+        try:
+            results[rank] = executor.serve_rank(
+                connection,
+                EndpointOptions(timeout=0.1),  # shorter than the idle start below
+                compute_wrappers=[tag(rank, "inner"), tag(rank, "outer")],
+                stats=stats[rank],
+                on_ready=lambda: ready.setdefault(rank, len(stats[rank].items)),
+            )
+        except Exception as exc:  # reported to the test thread
+            results[rank] = exc
+
+    threads = [threading.Thread(target=serve_rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # nothing to serve yet: the program keeps waiting
+    prompts = {0: [[1, 2, 3, 4, 5]], 1: [[7, 8, 9], [10, 11]]}
+    outputs = prefill_in_threads(world, config, prompts, {0: 1, 1: 2}, threads)
+    reference = MonolithicModel(config, RandomWeights(SEED))
+    for rank, out in outputs.items():
+        assert isinstance(out, torch.Tensor), out
+        expected = reference.forward(prompts[rank]).hidden_states
+        assert naive.relative_error(out, expected) <= 1e-5
+    assert ready == {0: 0, 1: 0}
+    for rank in (0, 1):
+        assert results[rank] is stats[rank], results[rank]
+        # Replica 0 ran one stage per MoE layer, replica 1 two.
+        assert stats[rank].per_replica(2) == [layers, 2 * layers]
+        assert calls[rank] == ["outer", "inner"] * len(stats[rank].items)

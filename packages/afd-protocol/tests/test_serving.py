@@ -14,6 +14,7 @@ from afd_protocol import (
     PeerAborted,
     PeerTimeout,
     ProtocolError,
+    ServeStats,
     SharedPlacement,
     WorkItem,
     WorkItemKey,
@@ -119,6 +120,31 @@ def test_malformed_messages_raise_or_are_skipped_and_recorded() -> None:
     assert stats.served == [(0, 2, 0)]
 
 
+def test_max_items_returns_early_and_given_stats_are_filled_live() -> None:
+    endpoint = ScriptedEndpoint([item(0, 1), item(1, 2, src=1), item(2, 1), ConnectorShutdown()])
+    stats = ServeStats()
+    seen: list[list[int]] = []
+    returned = serve(
+        endpoint,
+        doubled,
+        max_items=2,
+        stats=stats,
+        after_reply=lambda w: seen.append(stats.per_replica(3)),
+    )
+    assert returned is stats
+    assert stats.served == [(0, 0, 0), (1, 1, 0)]
+    assert seen == [[1, 0, 0], [1, 1, 0]]  # recorded before after_reply runs
+    assert endpoint.timeouts == [None, None]  # the third item was not taken
+    # A second call records into the same stats; an error keeps what was served.
+    with pytest.raises(PeerTimeout):
+        serve(ScriptedEndpoint([item(0, 1), PeerTimeout("idle")]), doubled, stats=stats)
+    assert stats.per_replica() == [2, 1]
+    assert stats.per_replica(4) == [2, 1, 0, 0]
+    assert serve(ScriptedEndpoint([]), doubled, max_items=0).items == []
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(InvalidArgument, match="while_idle"):
         serve(ScriptedEndpoint([]), doubled, while_idle="sleep")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="max_items"):
+        serve(ScriptedEndpoint([]), doubled, max_items=-1)

@@ -11,7 +11,8 @@
 * Expert backends by name: ``reference``, ``grouped_mm``, and
   :func:`register_expert_backend` for more.
 * :class:`MonolithicModel` (the reference), :class:`AttentionRoleModel` and
-  :class:`FFNRoleExecutor` (the role split over ``afd_protocol`` endpoints).
+  :class:`FFNRoleExecutor` (the role split over ``afd_protocol`` endpoints;
+  :meth:`FFNRoleExecutor.serve_rank` is the one FFN rank program).
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -31,7 +32,7 @@ from afd_models.batch import KVCache, Prompt, PromptBatch, PromptChunk, Segment,
 from afd_models.config import DeepseekConfig, RopeScaling
 from afd_models.errors import BackendUnavailable, ConfigError, DeviceError, WeightsError
 from afd_models.experts import ExpertWeights, GroupedRows
-from afd_models.ffn_role import FFNRoleExecutor
+from afd_models.ffn_role import ComputeWrapper, FFNRoleExecutor
 from afd_models.gemm_check import check_gemms_write_every_output
 from afd_models.mlp import GatedMLP
 from afd_models.moe import MoELayer, routed_experts
@@ -69,6 +70,7 @@ __all__ = [
     "AttentionRunStats",
     "BackendUnavailable",
     "BranchScales",
+    "ComputeWrapper",
     "ConfigError",
     "DeepseekConfig",
     "DeviceError",

@@ -13,7 +13,7 @@ it, scaled by the same float16 rule as everywhere else (:mod:`afd_models.scaling
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,7 +26,22 @@ from afd_models.mlp import GatedMLP
 from afd_models.params import ModelParams, shared_placement_of
 from afd_models.scaling import BranchScales
 from afd_models.weights import WeightSource
-from afd_protocol import Compute, FFNEndpoint, ServeStats, SharedPlacement, WorkItem, serve
+from afd_protocol import (
+    Compute,
+    Connection,
+    EndpointOptions,
+    FFNEndpoint,
+    ServeStats,
+    SharedPlacement,
+    WorkItem,
+    freeze_heap,
+    serve,
+)
+
+ComputeWrapper = Callable[[Compute], Compute]
+"""Wraps an FFN rank's ``compute(item) -> (routed_out, shared_out)`` (timing, moving items
+between devices): takes a :data:`afd_protocol.Compute`, returns one with the same
+contract."""
 
 
 class FFNRoleExecutor:
@@ -117,6 +132,7 @@ class FFNRoleExecutor:
         timeout: float | None = None,
         keep_waiting: bool = False,
         compute: Compute | None = None,
+        stats: ServeStats | None = None,
     ) -> ServeStats:
         """Serve work items with :func:`afd_protocol.serve` until every attention rank shut down.
 
@@ -124,6 +140,7 @@ class FFNRoleExecutor:
         unless ``keep_waiting``: then idle stretches are waited out, and only a failed peer
         ends the loop); ``None`` uses the endpoint's own timeout. ``compute`` replaces
         :meth:`compute` (a caller's wrapper of it: timing, moving items between devices).
+        ``stats`` is filled item by item (see :func:`afd_protocol.serve`) and returned.
         """
         self._check_endpoint(endpoint)
         return serve(
@@ -131,7 +148,46 @@ class FFNRoleExecutor:
             compute or self.compute,
             timeout=timeout,
             while_idle="wait" if keep_waiting else "raise",
+            stats=stats,
         )
+
+    def serve_rank(
+        self,
+        connection: Connection,
+        options: EndpointOptions | None = None,
+        *,
+        compute_wrappers: Sequence[ComputeWrapper] = (),
+        stats: ServeStats | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> ServeStats:
+        """The FFN rank program: serve this rank over ``connection`` until every attention
+        rank shut down; what ``afd run``'s FFN ranks and ``afd-vllm ffn`` both run once
+        they built the executor and connected.
+
+        Opens the rank's endpoint with ``options`` (the connection's defaults when None),
+        wraps :meth:`compute` with ``compute_wrappers`` in order (the first wraps
+        :meth:`compute` itself, each next one the result), calls ``on_ready`` (the endpoint
+        is open, nothing served yet), freezes the start-up heap
+        (:func:`afd_protocol.freeze_heap`: no full garbage collection of it while serving)
+        and serves with ``keep_waiting`` (idle stretches are waited out; a failed peer still
+        ends the loop with ``PeerAborted``). The work items arrive as the endpoint gives
+        them (rows ``[rows, hidden]`` in the wire's dtype on ``connection.device``): a
+        wrapper that stages them onto :attr:`device` and the outputs back is the caller's
+        when the two differ.
+
+        Returns ``stats`` (a new :class:`afd_protocol.ServeStats` when None), filled item by
+        item: a caller that keeps it reads the service live, e.g. the items per replica
+        (:meth:`afd_protocol.ServeStats.per_replica`). Leaves ``connection`` open, to the
+        caller to abort or close.
+        """
+        compute: Compute = self.compute
+        for wrap in compute_wrappers:
+            compute = wrap(compute)
+        endpoint = connection.ffn_endpoint(options)
+        if on_ready is not None:
+            on_ready()
+        freeze_heap()
+        return self.serve(endpoint, keep_waiting=True, compute=compute, stats=stats)
 
     def _check_endpoint(self, endpoint: FFNEndpoint) -> None:
         """Raise :class:`ConfigError` unless ``endpoint`` serves this executor's experts with

@@ -1,15 +1,19 @@
-"""The FFN rank's loop in graph mode: static shapes, the layer chosen on the device.
+"""The FFN rank's compute in graph mode: static shapes, the layer chosen on the device.
 
-On the NPU the FFN loop is captured as a graph and replayed, which needs every tensor's
-shape fixed and no host value in the computation. :class:`StaticShapeFFN` serves CAM work
-items that way: each item's rows are copied into a preallocated buffer of the smallest
-*shape bucket* that holds them (powers of two up to the receive capacity), the rest of the
-buffer zeroed, and the experts run on the whole buffer with the item's device-side group
-list and layer index (:class:`LayeredSwiGLUExperts`, through the layer-select GEMMs, which
-give zero rows past the groups); only the reply slices the valid rows. So the expert
-computation sees one shape per bucket, whatever the item -- what a captured graph per
-bucket needs. On the CPU nothing is captured: this is the discipline, tested, not the
-speed-up.
+On the NPU the FFN compute is captured as a graph and replayed, which needs every tensor's
+shape fixed and no host value in the computation. :class:`StaticShapeFFN` computes CAM
+work items that way, as a compute strategy of the one FFN serving loop
+(:func:`afd_protocol.serve`, which keeps intake, timeouts, skipping, shutdown and stats):
+each item's rows are copied into a preallocated buffer of the smallest *shape bucket* that
+holds them (powers of two up to the receive capacity), the rest of the buffer zeroed, and
+the experts run on the whole buffer with the item's device-side group list and layer index
+(:class:`LayeredSwiGLUExperts`, through the layer-select GEMMs, which give zero rows past
+the groups); only the reply slices the valid rows. So the expert computation sees one
+shape per bucket, whatever the item -- what a captured graph per bucket needs. On the CPU
+nothing is captured: this is the discipline, tested, not the speed-up.
+
+    ffn = StaticShapeFFN(endpoint, experts, hidden_size, capacity)
+    stats = afd_protocol.serve(endpoint, ffn, timeout=5.0)
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd_protocol import ConnectorShutdown, FFNEndpoint, InvalidArgument
+from afd_protocol import FFNEndpoint, InvalidArgument, WorkItem
 from afd_transport_cam.emulator.gemm import grouped_matmul_layered
 
 
@@ -63,7 +67,12 @@ class LayeredSwiGLUExperts:
 
 @dataclass
 class StaticShapeFFN:
-    """Serve work items with static shapes (module docstring)."""
+    """Compute work items with static shapes (module docstring): a
+    :data:`afd_protocol.Compute` for :func:`afd_protocol.serve`.
+
+    ``endpoint`` is the FFN endpoint it computes for (the buffers take its dtype); one
+    float buffer ``[size, hidden_size]`` per bucket of :attr:`buckets`, allocated once.
+    """
 
     endpoint: FFNEndpoint
     experts: LayeredSwiGLUExperts
@@ -91,24 +100,24 @@ class StaticShapeFFN:
         """The preallocated rows of bucket ``size`` (the same tensor every time)."""
         return self._buffers[size]
 
-    def serve(self, iterations: int | None = None) -> int:
-        """Serve ``iterations`` items (None: until every replica shut down); returns how
-        many were served."""
-        served = 0
-        while iterations is None or served < iterations:
-            try:
-                item = self.endpoint.next_work_item()
-            except ConnectorShutdown:
-                break
-            outputs = []
-            for part in item.parts:
-                rows = part.routed_rows.shape[0]
-                buffer = self._buffers[self.bucket(rows)]
-                buffer[:rows].copy_(part.routed_rows)
-                buffer[rows:].zero_()
-                self.shapes.add(tuple(buffer.shape))
-                out = self.experts(buffer, part.group_list, part.layer_index)
-                outputs.append(out[:rows])
-            self.endpoint.reply(item, torch.cat(outputs).to(self.endpoint.dtype))
-            served += 1
-        return served
+    def __call__(self, item: WorkItem) -> tuple[torch.Tensor, None]:
+        """``(routed_out, None)`` for ``item``: float32 ``[routed rows, hidden_size]``, its
+        parts' outputs concatenated in order (CAM carries no shared rows).
+
+        Each part's routed rows ``[rows, hidden_size]`` are copied into its bucket's buffer,
+        the rest of it zeroed, and the experts run on the whole buffer with the part's
+        group list (int64 counts per local expert) and layer index (a one-element integer tensor,
+        on the device); only the first ``rows`` output rows are kept.
+        """
+        outputs = []
+        for part in item.parts:
+            rows = part.routed_rows.shape[0]
+            buffer = self._buffers[self.bucket(rows)]
+            buffer[:rows].copy_(part.routed_rows)
+            buffer[rows:].zero_()
+            self.shapes.add(tuple(buffer.shape))
+            out = self.experts(buffer, part.group_list, part.layer_index)
+            outputs.append(out[:rows])
+        if not outputs:
+            return torch.empty(0, self.hidden_size), None
+        return torch.cat(outputs), None

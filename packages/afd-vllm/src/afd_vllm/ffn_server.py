@@ -29,7 +29,7 @@ import torch
 
 from afd_models import DeepseekConfig, DeviceError, FFNRoleExecutor, check_gemms_write_every_output
 from afd_models.weights import SafetensorsWeights
-from afd_protocol import AFDError, Compute, WorkItem, freeze_heap
+from afd_protocol import AFDError, ServeStats
 from afd_vllm.config import parse_afd_config
 from afd_vllm.connectors.base import ModelGeometry
 from afd_vllm.connectors.factory import create_connector
@@ -84,21 +84,10 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-class ItemCounter:
-    """Work items served per attention replica, live (the SIGUSR1 report and the final
-    line; an operator sees which replicas are stepping)."""
-
-    def __init__(self, compute: Compute, num_replicas: int) -> None:
-        self.compute = compute
-        self.counts = [0] * num_replicas
-
-    def __call__(self, item: WorkItem) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.compute(item)
-        self.counts[item.replica] += 1
-        return out
-
-    def describe(self) -> str:
-        return ", ".join(f"replica {r}: {n}" for r, n in enumerate(self.counts))
+def describe_counts(stats: ServeStats, num_replicas: int) -> str:
+    """The work items served per attention replica so far, for the SIGUSR1 report and the
+    final line (an operator sees which replicas are stepping)."""
+    return ", ".join(f"replica {r}: {n}" for r, n in enumerate(stats.per_replica(num_replicas)))
 
 
 def serve_ffn(args: argparse.Namespace) -> int:
@@ -133,26 +122,30 @@ def serve_ffn(args: argparse.Namespace) -> int:
         backend=args.backend,
     )
     signal.signal(signal.SIGTERM, _stop)
-    counter = ItemCounter(executor.compute, connector.layout().topology.num_dp_replicas)
+    replicas = connector.layout().topology.num_dp_replicas
+    stats = ServeStats()  # filled live by the serving loop
     signal.signal(
         signal.SIGUSR1,
         lambda signum, frame: print(
-            f"afd-vllm ffn: rank {args.rank} items so far: {counter.describe()}", flush=True
+            f"afd-vllm ffn: rank {args.rank} items so far: {describe_counts(stats, replicas)}",
+            flush=True,
         ),
     )
     timeout = args.connect_timeout
     if timeout is None:
         timeout = float(config.extra.connect_timeout_s)
     connection = connector.connect(args.rank, timeout)
-    try:
-        endpoint = connection.ffn_endpoint(connector.endpoint_options())
+
+    def ready() -> None:
         print(
             f"afd-vllm ffn: rank {args.rank} ready ({len(local)} experts, "
             f"{time.perf_counter() - started:.1f} s); serving",
             flush=True,
         )
-        freeze_heap()  # no full garbage collection of the start-up heap while serving
-        stats = executor.serve(endpoint, keep_waiting=True, compute=counter)
+
+    try:
+        # The one FFN rank program (shared with afd run's FFN ranks).
+        executor.serve_rank(connection, connector.endpoint_options(), stats=stats, on_ready=ready)
     except KeyboardInterrupt:
         connection.abort()
         print(f"afd-vllm ffn: rank {args.rank} stopped", flush=True)
@@ -164,7 +157,7 @@ def serve_ffn(args: argparse.Namespace) -> int:
         connection.close()
     print(
         f"afd-vllm ffn: rank {args.rank} served {len(stats.items)} work items "
-        f"({counter.describe()}); shut down",
+        f"({describe_counts(stats, replicas)}); shut down",
         flush=True,
     )
     return 0

@@ -314,16 +314,16 @@ def ffn_rank(
     options = EndpointOptions(
         timeout=timeout, num_layers=config.num_hidden_layers, num_stages=num_stages
     )
-    endpoint = connection.ffn_endpoint(options)
-    # Idle stretches (colocated mode, sparse arrivals) are waited out; a dead peer still
-    # ends the loop with PeerAborted.
+    # The one FFN rank program (shared with afd-vllm ffn): idle stretches (colocated mode,
+    # sparse arrivals) are waited out; a dead peer still ends the loop with PeerAborted.
+    # Each item's expert compute is timed on this rank's device, without the copies between
+    # the transport's device and it.
     timer = ItemTimer(Clock(where))
-    if connection.device == where:
-        compute = timer.wrap(executor.compute)
-    else:
-        compute = staged_compute(timer.wrap(executor.compute), where, connection.device)
-    freeze_heap()  # no full garbage collection of the start-up heap while serving
-    stats = executor.serve(endpoint, keep_waiting=True, compute=compute)
+    there = connection.device
+    wrappers = [timer.wrap]
+    if there != where:
+        wrappers.append(lambda compute: staged_compute(compute, where, there))
+    stats = executor.serve_rank(connection, options, compute_wrappers=wrappers)
     seconds = timer.seconds()
     return {
         "intervals": [

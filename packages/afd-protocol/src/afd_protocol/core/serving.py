@@ -73,6 +73,17 @@ class ServeStats:
         """``(replica, layer, stage)`` of every item, in service order."""
         return [(r.replica, r.layer, r.stage) for r in self.items]
 
+    def per_replica(self, num_replicas: int = 0) -> list[int]:
+        """Items served per attention replica: index ``r`` counts replica ``r``'s items; at
+        least ``num_replicas`` entries (replicas that sent nothing count 0). Reads the items
+        served so far, so it may be called while :func:`serve` fills these stats."""
+        counts = [0] * num_replicas
+        for record in list(self.items):
+            if record.replica >= len(counts):
+                counts.extend([0] * (record.replica + 1 - len(counts)))
+            counts[record.replica] += 1
+        return counts
+
 
 def serve(
     endpoint: FFNEndpoint,
@@ -82,6 +93,8 @@ def serve(
     while_idle: Literal["raise", "wait"] = "raise",
     on_protocol_error: Literal["raise", "skip"] = "raise",
     after_reply: Callable[[WorkItem], None] | None = None,
+    max_items: int | None = None,
+    stats: ServeStats | None = None,
 ) -> ServeStats:
     """Serve work items from ``endpoint`` with ``compute`` until every attention rank shut down.
 
@@ -91,10 +104,20 @@ def serve(
       still ends the wait with :class:`PeerAborted` through its abort word or liveness);
     * ``on_protocol_error``: ``"raise"`` fails on a malformed message; ``"skip"`` records
       it in :attr:`ServeStats.protocol_errors` and serves on (the endpoint skipped it);
-    * ``after_reply``: called after each reply (instrumentation).
+    * ``after_reply``: called after each reply (instrumentation);
+    * ``max_items``: return after serving this many items (None: no limit);
+    * ``stats``: the :class:`ServeStats` to record into (default: a new one); filled item
+      by item, so a caller holding it sees the service live (a signal handler's report)
+      and keeps what was served when an error ends the loop.
 
-    Runs under ``torch.inference_mode()``. Returns on
-    :class:`~afd_protocol.core.errors.ConnectorShutdown`; every other error propagates.
+    ``compute`` takes each :class:`~afd_protocol.core.workitem.WorkItem` as the endpoint
+    gives it (rows ``[rows, hidden]`` in the wire's dtype on the endpoint's device) and
+    returns ``(routed_out [routed rows, hidden], shared_out [shared rows, hidden] or
+    None)`` in any float dtype; the loop casts them to :attr:`FFNEndpoint.dtype`.
+
+    Runs under ``torch.inference_mode()``. Returns the stats on
+    :class:`~afd_protocol.core.errors.ConnectorShutdown` or after ``max_items``; every other
+    error propagates.
     """
     if while_idle not in ("raise", "wait"):
         raise InvalidArgument(f"while_idle must be 'raise' or 'wait', got {while_idle!r}")
@@ -102,10 +125,13 @@ def serve(
         raise InvalidArgument(
             f"on_protocol_error must be 'raise' or 'skip', got {on_protocol_error!r}"
         )
-    stats = ServeStats()
+    if max_items is not None and max_items < 0:
+        raise InvalidArgument(f"max_items must be >= 0 or None, got {max_items}")
+    stats = ServeStats() if stats is None else stats
     dtype = endpoint.dtype
+    served = 0
     with torch.inference_mode():
-        while True:
+        while max_items is None or served < max_items:
             try:
                 item = endpoint.next_work_item(timeout)
             except ConnectorShutdown:
@@ -137,8 +163,10 @@ def serve(
                     replied=replied,
                 )
             )
+            served += 1
             if after_reply is not None:
                 after_reply(item)
+    return stats
 
 
 __all__ = ["Compute", "ItemRecord", "ServeStats", "serve"]
