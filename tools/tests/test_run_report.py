@@ -4,7 +4,10 @@ the field, and the simulator reads a real run's report as it read the unversione
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
+import re
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +15,15 @@ import pytest
 
 from afd_tools.cli import main
 from afd_tools.outputs import json_safe
+from afd_tools.prefill.layer_times import LayerBreakdown
 from afd_tools.prefill.metrics import ModeSummary
 from afd_tools.prefill.run_report import SCHEMA, Deployment, RunReport
 from afd_tools.prefill.typed_json import ReportError
 from afd_tools.prefill.workload import Request
 from afd_tools.sim.costs import SimError, Wire
 from afd_tools.sim.measured import parse_legacy_report, parse_report, read_runs
+
+BUNDLE = Path(str(resources.files("afd_tools.sim") / "calibrations" / "cpu-tiny-runs.json.gz"))
 
 DEPLOYMENT = Deployment(
     device="cpu",
@@ -55,7 +61,7 @@ def _summary(mode: str, makespan: float) -> ModeSummary:
         attention_wait=[0.1, 0.2],
         ffn_busy=[0.4],
         dummy_batches=2,
-        breakdown={"moe_layers": 12.0, "compute_ms_per_layer": 1.5, "ffn_items": 6.0},
+        breakdown=LayerBreakdown(moe_layers=12.0, compute_ms_per_layer=1.5, ffn_items=6.0),
     )
 
 
@@ -119,6 +125,26 @@ def _broken(change: Any) -> dict[str, Any]:
             lambda d: d["requests"][1].pop("prompt_len"),
             r"field 'requests\[1\].prompt_len' is missing",
         ),
+        (
+            lambda d: d["modes"]["async"]["breakdown"].update(compute_ms_per_layer="fast"),
+            r"field 'modes.async.breakdown.compute_ms_per_layer' must be float \| None, got 'fast'",
+        ),
+        (
+            lambda d: d["modes"]["sync"]["breakdown"].update(compute_ms=1.0),
+            "field 'modes.sync.breakdown.compute_ms' is not a breakdown field",
+        ),
+        (
+            lambda d: d["modes"]["sync"]["breakdown"].update(ffn_ms_per_item="nan"),
+            "field 'modes.sync.breakdown.ffn_ms_per_item' must be finite, got 'nan'",
+        ),
+        (
+            lambda d: d["modes"]["async"].update(breakdown=[1.5]),
+            "field 'modes.async.breakdown' must be an object",
+        ),
+        (
+            lambda d: d["modes"]["async"].pop("breakdown"),
+            "field 'modes.async.breakdown' is missing",
+        ),
         (lambda d: d.pop("modes"), "field 'modes' is missing"),
         (
             lambda d: d.update(schema="afd-run-report/9"),
@@ -135,6 +161,82 @@ def test_a_malformed_report_names_the_file_and_the_field(change: Any, message: s
         parse_report(data, "run.json")
 
 
+BREAKDOWN_KEYS = [
+    "barrier_ms_per_layer",
+    "combine_ms_per_layer",
+    "compute_ms_per_layer",
+    "dispatch_ms_per_layer",
+    "moe_layers",
+    "ffn_ms_per_item",
+    "ffn_items",
+]
+"""The keys of a timed AFD mode's ``breakdown``, in the order ``afd run`` has written them
+(the ranks' keys sorted, then the FFN's)."""
+
+
+@pytest.mark.parametrize(
+    "breakdown",
+    [
+        LayerBreakdown(),
+        LayerBreakdown(ffn_ms_per_item=0.5, ffn_items=3.0),
+        LayerBreakdown(**dict.fromkeys(BREAKDOWN_KEYS[:5], 0.25)),
+        LayerBreakdown(**{k: float(i) for i, k in enumerate(BREAKDOWN_KEYS)}),
+    ],
+)
+def test_a_breakdown_round_trips_through_json_text(breakdown: LayerBreakdown) -> None:
+    text = json.dumps(json_safe(breakdown.to_json()), allow_nan=False)
+    data = json.loads(text)
+    assert list(data) == [k for k in BREAKDOWN_KEYS if getattr(breakdown, k) is not None]
+    assert LayerBreakdown.from_json(data, "run.json") == breakdown
+    assert breakdown.empty == (data == {})
+    assert LayerBreakdown.from_json(dict.fromkeys(BREAKDOWN_KEYS), "run.json") == LayerBreakdown()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_breakdown_refuses_a_value_that_is_not_finite(value: float) -> None:
+    with pytest.raises(ValueError, match="breakdown field 'combine_ms_per_layer' must be finite"):
+        LayerBreakdown(combine_ms_per_layer=value)
+    written = json_safe({"combine_ms_per_layer": value})  # how the report writes one
+    with pytest.raises(
+        ReportError,
+        match=r"^run.json: field 'modes.async.breakdown.combine_ms_per_layer' must be finite",
+    ):
+        LayerBreakdown.from_json(written, "run.json", "modes.async.breakdown")
+
+
+def test_a_malformed_breakdown_in_a_file_names_the_file_and_the_field(tmp_path: Path) -> None:
+    """Read from disk by ``afd sim``: the typed report and the unversioned one alike."""
+    typed = _broken(lambda d: d["modes"]["sync"]["breakdown"].update(moe_layers=[12]))
+    legacy = _broken(lambda d: d["modes"]["sync"]["breakdown"].update(moe_layers=[12]))
+    legacy.pop("schema")
+    legacy["args"] = {k: str(v) for k, v in DEPLOYMENT.to_json().items()}
+    for name, data in (("typed.json", typed), ("legacy.json", legacy)):
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        field = "field 'modes.sync.breakdown.moe_layers' must be float | None, got [12]"
+        with pytest.raises(SimError, match=f"^{re.escape(f'{path}: {field}')}$"):
+            read_runs([path])
+
+
+def test_every_mode_of_the_shipped_bundle_reads_back_to_the_same_json() -> None:
+    """The run bundle the ``cpu-tiny`` calibration is fitted from (unversioned reports):
+    each mode's summary, breakdown included, reads into the typed summary and writes back
+    the same object -- the key set ``afd run`` writes has not changed."""
+    with gzip.open(BUNDLE, "rt", encoding="utf-8") as f:
+        entries = json.load(f)["reports"]
+    seen = set()
+    for entry in entries:
+        for mode, data in entry["report"]["modes"].items():
+            summary = ModeSummary.from_json(data, entry["source"], f"modes.{mode}")
+            assert summary.to_json() == data
+            seen.add((mode, tuple(summary.breakdown.to_json())))
+    assert seen == {
+        ("async", tuple(BREAKDOWN_KEYS)),
+        ("sync", tuple(BREAKDOWN_KEYS)),
+        ("colocated", ()),
+    }
+
+
 def test_the_simulator_reads_a_real_run_report_as_before(tmp_path: Path) -> None:
     """A real ``afd run --json``: typed, every number kept, and ``afd sim`` code reads it
     into the same :class:`MeasuredRun` as the unversioned reader reads its ``args``."""
@@ -146,6 +248,11 @@ def test_the_simulator_reads_a_real_run_report_as_before(tmp_path: Path) -> None
     assert data["schema"] == SCHEMA
     report = RunReport.from_json(data, str(path))
     assert report.to_json() == data  # the typed report holds everything the file does
+    # ... and writes it back byte for byte, breakdowns in the order afd run always wrote
+    assert json.dumps(json_safe(report.to_json()), indent=2, allow_nan=False) == path.read_text()
+    for mode in ("async", "sync"):
+        assert list(data["modes"][mode]["breakdown"]) == BREAKDOWN_KEYS
+    assert report.modes["colocated"].breakdown.empty  # colocated dp times no MoE exchange
     assert set(report.modes) == {"async", "sync", "colocated"}
     assert report.deployment.device == "cpu"
     assert report.deployment.max_num_batched_tokens == 32
@@ -155,4 +262,4 @@ def test_the_simulator_reads_a_real_run_report_as_before(tmp_path: Path) -> None
     assert (run.budget, run.stages, run.attention_ranks, run.ffn_ranks) == (32, 2, 2, 2)
     assert run.wire == Wire("per_rank", "ffn", "attention")
     assert run.workload == "uneven"
-    assert run.modes["async"]["tokens_per_s"] > 0
+    assert run.modes["async"].tokens_per_s > 0

@@ -143,7 +143,7 @@ def test_sync_schedule_by_hand() -> None:
     assert s.makespan_s == pytest.approx(9.125)
     assert s.ttft_p50 == pytest.approx(6.125)
     assert s.dummy_batches == 0
-    assert s.breakdown["barrier_ms_per_layer"] == pytest.approx(1e3 * (2.0625 + 0.0625) / 2)
+    assert s.breakdown.barrier_ms_per_layer == pytest.approx(1e3 * (2.0625 + 0.0625) / 2)
 
 
 def test_colocated_dp_schedule_by_hand() -> None:
@@ -334,8 +334,7 @@ def _synthetic_runs(truth: Calibration) -> list[MeasuredRun]:
         requests = assign(lengths, [0.0] * len(lengths), a, "round-robin")
         dep = deployment(config, truth, attention_ranks=a, ffn_ranks=f, budget=256)
         modes = {
-            m: s.as_dict()
-            for m, (_, s) in simulate(dep, ["async", "sync", "colocated"], requests).items()
+            m: s for m, (_, s) in simulate(dep, ["async", "sync", "colocated"], requests).items()
         }
         out.append(
             MeasuredRun(
@@ -526,7 +525,7 @@ def _as_report(run: MeasuredRun) -> dict[str, Any]:
             "workload": "uneven",
             "workload_file": "None",
         },
-        "modes": run.modes,
+        "modes": {m: s.to_json() for m, s in run.modes.items()},
         "requests": [dataclasses.asdict(r) for r in run.requests],
     }
 

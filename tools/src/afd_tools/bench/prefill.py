@@ -276,10 +276,10 @@ def markdown_table(results: Sequence[BenchRun]) -> str:
         for mode, m in modes.items():
             b = m.breakdown
             split = " / ".join(
-                f"{b[k]:.2f}" if k in b else "-"
-                for k in ("compute_ms_per_layer", "dispatch_ms_per_layer", "combine_ms_per_layer")
+                "-" if v is None else f"{v:.2f}"
+                for v in (b.compute_ms_per_layer, b.dispatch_ms_per_layer, b.combine_ms_per_layer)
             )
-            item = f"{b['ffn_ms_per_item']:.2f}" if "ffn_ms_per_item" in b else "-"
+            item = "-" if b.ffn_ms_per_item is None else f"{b.ffn_ms_per_item:.2f}"
             ratio = "-"
             if mode != "async" and "async" in modes:
                 ratio = f"{modes['async'].tokens_per_s / m.tokens_per_s:.2f}x"

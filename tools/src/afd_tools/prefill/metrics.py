@@ -1,13 +1,19 @@
-"""Turning the ranks' records into the numbers ``afd run`` reports."""
+"""Turning the ranks' records into the numbers ``afd run`` reports.
+
+Every attention replica, measured (``afd_tools.run.ranks.ModeResult``) or simulated
+(``afd_tools.sim.modes.ReplicaRecord``), keeps a :class:`ReplicaTimes` of each mode;
+:func:`summarize` turns them into the mode's :class:`ModeSummary`.
+"""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from afd_tools.prefill.layer_times import LayerBreakdown
 from afd_tools.prefill.typed_json import dataclass_from_json
 from afd_tools.prefill.workload import Request
 
@@ -19,8 +25,32 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
+@dataclass
+class ReplicaTimes:
+    """One attention replica's record of one mode: what :func:`summarize` and the timeline
+    plot (:func:`afd_tools.prefill.report.write_plot`) read. ``afd run``'s ranks extend it
+    (``afd_tools.run.ranks.ModeResult``: the outputs to verify) and so does the simulator
+    (``afd_tools.sim.modes.ReplicaRecord``: the cost model's inputs)."""
+
+    done: dict[int, float] = field(default_factory=dict)
+    """request id -> seconds after the mode start when its prefill finished."""
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+    batches: list[tuple[float, float, int]] = field(default_factory=list)
+    """(start, end, tokens) of every batch, seconds after the mode start."""
+    dummy_batches: int = 0
+    origin: float = 0.0
+    """``time.monotonic()`` at the mode start (comparable across processes on Linux)."""
+    layer_times: dict[str, float] = field(default_factory=dict)
+    """Per MoE layer: compute, dispatch, combine and barrier times
+    (:meth:`afd_tools.prefill.layer_times.LayerTimes.as_dict`); empty where the replica
+    timed no MoE layer."""
+
+
 @dataclass(frozen=True)
 class ModeSummary:
+    """One mode's figures, as ``afd run`` and ``afd sim`` report them."""
+
     mode: str
     makespan_s: float
     tokens_per_s: float
@@ -31,31 +61,35 @@ class ModeSummary:
     attention_wait: list[float]
     ffn_busy: list[float]
     dummy_batches: int
-    breakdown: dict[str, float]
-    """Per MoE layer, mean over the attention ranks (ms): compute, dispatch, combine; and
-    the FFN ranks' mean expert time per work item (ms) and items served in this mode."""
+    breakdown: LayerBreakdown
+    """Per MoE layer, mean over the attention ranks (ms): compute, dispatch, combine,
+    barrier; and the FFN ranks' mean expert time per work item (ms) and items served in
+    this mode."""
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """This summary as JSON data (:meth:`to_json`)."""
+        return self.to_json()
 
     def to_json(self) -> dict[str, Any]:
         """This summary as the report's ``modes`` object holds it."""
-        return self.as_dict()
+        return {**self.__dict__, "breakdown": self.breakdown.to_json()}
 
     @classmethod
     def from_json(cls, obj: Any, where: str, name: str = "mode") -> ModeSummary:
         """A summary from its ``to_json`` object; a :class:`ReportError` that names
         ``where`` and the field when one is missing or of the wrong type."""
-        return dataclass_from_json(cls, obj, where, name)
+        return dataclass_from_json(
+            cls, obj, where, name, readers={"breakdown": LayerBreakdown.from_json}
+        )
 
 
 def summarize(
     mode: str,
     requests: Sequence[Request],
-    replica_results: Sequence[Any],
+    replica_results: Sequence[ReplicaTimes],
     ffn_intervals: Sequence[Sequence[tuple[float, ...]]],
 ) -> ModeSummary:
-    """Summarise one mode from every replica's ``ModeResult`` and the FFN intervals
+    """Summarise one mode from every replica's record and the FFN intervals
     (``(taken, replied, replica, layer, expert seconds)`` per work item)."""
     done: dict[int, float] = {}
     for result in replica_results:
@@ -74,10 +108,11 @@ def summarize(
         ffn_busy.append(busy / makespan)
         # Items taken during this mode (modes run one after the other).
         item_seconds += [float(i[4]) for i in intervals if origin <= i[0] <= end]
-    breakdown = _mean_layer_times([r.layer_times for r in replica_results])
+    layers = _mean_layer_times([r.layer_times for r in replica_results])
     if item_seconds:
-        breakdown["ffn_ms_per_item"] = 1e3 * statistics.fmean(item_seconds)
-        breakdown["ffn_items"] = float(len(item_seconds))
+        layers["ffn_ms_per_item"] = 1e3 * statistics.fmean(item_seconds)
+        layers["ffn_items"] = float(len(item_seconds))
+    breakdown = LayerBreakdown(**layers)
     return ModeSummary(
         mode=mode,
         makespan_s=makespan,

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from afd_tools.prefill.metrics import ModeSummary, mean
+from afd_tools.prefill.metrics import ModeSummary, ReplicaTimes, mean
 
 
 def print_report(
@@ -44,7 +44,7 @@ def print_report(
         )
     console = Console(width=140)
     console.print(table)
-    timed = [s for s in summaries.values() if s.breakdown]
+    timed = [s for s in summaries.values() if not s.breakdown.empty]
     if timed:
         layers = Table(title="per MoE layer, mean over attention ranks (ms)")
         columns = ("mode", "compute", "dispatch", "combine (incl. wait)", "barrier", "FFN per item")
@@ -55,13 +55,13 @@ def print_report(
             layers.add_row(
                 s.mode,
                 *(
-                    f"{b[k]:.3f}" if k in b else "-"
-                    for k in (
-                        "compute_ms_per_layer",
-                        "dispatch_ms_per_layer",
-                        "combine_ms_per_layer",
-                        "barrier_ms_per_layer",
-                        "ffn_ms_per_item",
+                    "-" if v is None else f"{v:.3f}"
+                    for v in (
+                        b.compute_ms_per_layer,
+                        b.dispatch_ms_per_layer,
+                        b.combine_ms_per_layer,
+                        b.barrier_ms_per_layer,
+                        b.ffn_ms_per_item,
                     )
                 ),
             )
@@ -88,7 +88,7 @@ def _ffn_busy(s: ModeSummary) -> str:
     return " ".join(f"{v:.0%}" for v in s.ffn_busy)
 
 
-Outcome = tuple[Sequence[str], Sequence[Any], Sequence[Mapping[str, Any]], Sequence[Any]]
+Outcome = tuple[Sequence[str], Sequence[Any], Sequence[Mapping[str, ReplicaTimes]], Sequence[Any]]
 """One launch's (modes, requests, per-replica results by mode, per-FFN-rank intervals)."""
 
 

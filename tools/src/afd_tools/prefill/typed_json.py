@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from afd_protocol import AFDError
@@ -79,9 +80,21 @@ def check_value(value: Any, hint: Any, where: str, name: str) -> Any:
     raise field_error(where, name, f"must be {_describe(hint)}, got {value!r:.80}")
 
 
-def dataclass_from_json(cls: type[T], obj: Any, where: str, name: str) -> T:
+FieldReader = Callable[[Any, str, str], Any]
+"""Reads one field's JSON value: ``(value, where, name) -> value``, raising a
+:class:`ReportError` that names ``where`` and ``name``."""
+
+
+def dataclass_from_json(
+    cls: type[T],
+    obj: Any,
+    where: str,
+    name: str,
+    readers: Mapping[str, FieldReader] | None = None,
+) -> T:
     """An instance of the dataclass ``cls`` from the JSON object ``obj``: every field
-    present with its declared type (fields with a default may be missing)."""
+    present with its declared type (fields with a default may be missing); a field named
+    in ``readers`` is read by its reader instead (a typed object within the object)."""
     if not isinstance(obj, dict):
         raise field_error(where, name, f"must be an object, got {obj!r:.80}")
     hints = typing.get_type_hints(cls)
@@ -95,5 +108,8 @@ def dataclass_from_json(cls: type[T], obj: Any, where: str, name: str) -> T:
             if has_default:
                 continue
             raise field_error(where, label, "is missing")
-        values[f.name] = check_value(obj[f.name], hints[f.name], where, label)
+        if readers is not None and f.name in readers:
+            values[f.name] = readers[f.name](obj[f.name], where, label)
+        else:
+            values[f.name] = check_value(obj[f.name], hints[f.name], where, label)
     return cls(**values)

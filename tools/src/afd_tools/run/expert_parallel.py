@@ -52,6 +52,7 @@ from afd_protocol import (
     WindowLayout,
     check_dispatch_inputs,
 )
+from afd_tools.run.peerless import PeerlessConnection
 
 STORE_FILE = "expert-parallel-store"
 """The torch.distributed file store, inside the launcher's private rendezvous directory
@@ -260,10 +261,12 @@ class ExpertParallelEndpoint:
         self._shut = True
 
 
-class ExpertParallelConnection:
+class ExpertParallelConnection(PeerlessConnection):
     """One colocated rank's process group, shaped like an afd
     :class:`~afd_protocol.Connection` so the launcher can open it; its
     :meth:`attention_endpoint` loads this rank's experts and makes the exchange."""
+
+    NO_FFN_ENDPOINT = "colocated ranks have no FFN role: every rank is both"
 
     def __init__(
         self,
@@ -278,9 +281,7 @@ class ExpertParallelConnection:
         device: torch.device,
         exchange: str,
     ) -> None:
-        self._layout = window.slot
-        self._rank = rank
-        self._device = device
+        super().__init__(window, rank, device)
         self.config = config
         self.seed = seed
         self.backend = backend
@@ -297,22 +298,6 @@ class ExpertParallelConnection:
             timeout=timedelta(seconds=connect_timeout),
         )
         self._open = True
-
-    @property
-    def role(self) -> Role:
-        return Role.ATTENTION
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def layout(self) -> SlotLayout:
-        return self._layout
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def attention_endpoint(self, options: EndpointOptions | None = None) -> ExpertParallelEndpoint:
         dtype = getattr(torch, self._layout.dtype)
@@ -332,13 +317,11 @@ class ExpertParallelConnection:
             host_staging=self.exchange == "gloo" and self._device.type != "cpu",
         )
 
-    def ffn_endpoint(self, options: EndpointOptions | None = None) -> Any:
-        raise InvalidArgument("colocated ranks have no FFN role: every rank is both")
-
     def abort(self) -> None:
         """Collectives have no abort word; the launcher stops the other ranks."""
 
     def close(self) -> None:
+        """Leave the process group (once)."""
         if self._open:
             self._open = False
             with contextlib.suppress(Exception):

@@ -16,63 +16,25 @@ from __future__ import annotations
 
 import time
 from multiprocessing.connection import Connection as Pipe
-from typing import Any
 
 import torch
 
 from afd_models import DeepseekConfig, KVCache, MonolithicModel, PromptChunk
-from afd_protocol import (
-    EndpointOptions,
-    InvalidArgument,
-    Role,
-    SlotLayout,
-    WindowLayout,
-    check_supervisor,
-    freeze_heap,
-)
+from afd_protocol import InvalidArgument, Role, WindowLayout, check_supervisor, freeze_heap
 from afd_tools.prefill.workload import ChunkQueue, Request
+from afd_tools.run.peerless import PeerlessConnection
 from afd_tools.run.ranks import ModeResult, random_weights, rank_device, request_tokens
 from afd_tools.run.routing import RoutingLog
 
 MODE = "colocated"
 
 
-class MonolithicConnection:
+class MonolithicConnection(PeerlessConnection):
     """The launcher's connection of a rank without peers: it names the rank and its device
     and makes no endpoint (the monolithic model exchanges nothing)."""
 
-    def __init__(self, window: WindowLayout, rank: int, device: torch.device) -> None:
-        self._layout = window.slot
-        self._rank = rank
-        self._device = device
-
-    @property
-    def role(self) -> Role:
-        return Role.ATTENTION
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def layout(self) -> SlotLayout:
-        return self._layout
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def attention_endpoint(self, options: EndpointOptions | None = None) -> Any:
-        raise InvalidArgument("the monolithic model exchanges nothing: it has no endpoint")
-
-    def ffn_endpoint(self, options: EndpointOptions | None = None) -> Any:
-        raise InvalidArgument("the monolithic model exchanges nothing: it has no endpoint")
-
-    def abort(self) -> None:
-        """No peer to tell."""
-
-    def close(self) -> None:
-        """Nothing held."""
+    NO_ATTENTION_ENDPOINT = "the monolithic model exchanges nothing: it has no endpoint"
+    NO_FFN_ENDPOINT = NO_ATTENTION_ENDPOINT
 
 
 def monolithic_connection(

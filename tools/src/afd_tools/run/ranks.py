@@ -42,6 +42,7 @@ from afd_protocol import (
 )
 from afd_protocol.launch import roster
 from afd_tools.prefill.layer_times import LayerTimes
+from afd_tools.prefill.metrics import ReplicaTimes
 from afd_tools.prefill.workload import ChunkQueue, Request
 from afd_tools.run.breakdown import Clock, ItemTimer, TimedEndpoint
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
@@ -61,24 +62,14 @@ def request_tokens(request: Request, vocab: int, seed: int) -> torch.Tensor:
 
 
 @dataclass
-class ModeResult:
-    """One replica's record of one mode."""
+class ModeResult(ReplicaTimes):
+    """One replica's record of one mode: its times (:class:`ReplicaTimes`, the per-layer
+    ones measured by :mod:`afd_tools.run.breakdown`) and what the verification checks."""
 
-    done: dict[int, float] = field(default_factory=dict)
-    """request id -> seconds after the mode start when its prefill finished."""
     last_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    busy_s: float = 0.0
-    wait_s: float = 0.0
-    batches: list[tuple[float, float, int]] = field(default_factory=list)
-    """(start, end, tokens) of every batch, seconds after the mode start."""
-    dummy_batches: int = 0
-    origin: float = 0.0
-    """``time.monotonic()`` at the mode start (comparable across processes on Linux)."""
     steps: list[list[tuple[int, int, int, bool]]] = field(default_factory=list)
     """Every real step's batch: ``(request id, begin, end, final)`` per chunk, in order (the
     reference replays them: in bfloat16 the batching changes the rounding)."""
-    layer_times: dict[str, float] = field(default_factory=dict)
-    """Per MoE layer: compute, dispatch and combine times (:mod:`afd_tools.run.breakdown`)."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """Per real step (as ``steps``), int32 ``[moe layers, T, k]`` on the CPU: every token's
     top-k expert ids at each MoE layer (``config.moe_layers`` order), as this replica routed

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from afd_models import preset
+from afd_tools.prefill.metrics import ModeSummary
 from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
 from afd_tools.sim.fitting import LinearFit, fit_nonnegative
 from afd_tools.sim.measured import MeasuredRun
@@ -59,7 +60,7 @@ class Replay:
 
     run: MeasuredRun
     mode: str
-    measured: list[dict[str, Any]]
+    measured: list[ModeSummary]
     sim: ModeRun
 
 
@@ -80,7 +81,7 @@ def _key(run: MeasuredRun) -> tuple[Any, ...]:
 def replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str]) -> list[Replay]:
     """Each distinct configuration of ``runs`` simulated once per mode in ``modes`` that was
     measured, beside every repeat's measurement (the fit's and ``afd sim validate``'s view)."""
-    groups: dict[tuple[Any, ...], tuple[MeasuredRun, dict[str, list[dict[str, Any]]]]] = {}
+    groups: dict[tuple[Any, ...], tuple[MeasuredRun, dict[str, list[ModeSummary]]]] = {}
     for run in runs:
         _, by_mode = groups.setdefault(_key(run), (run, {}))
         for mode, measured in run.modes.items():
@@ -126,10 +127,10 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
     attn_rows, attn_t = [], []
     ffn_rows, ffn_t = [], []
     disp_rows, disp_t = [], []
-    pairs = [(rp, m.get("breakdown") or {}) for rp in replays for m in rp.measured]
+    pairs = [(rp, m.breakdown) for rp in replays for m in rp.measured]
     for rp, b in pairs:
         recs = [r for r in rp.sim.replicas if r.dispatches]
-        if "compute_ms_per_layer" in b and recs:
+        if b.compute_ms_per_layer is not None and recs:
             row = [0.0, 0.0, 0.0]
             for r in recs:
                 s = r.attention.stretch / r.dispatches / len(recs)
@@ -137,20 +138,20 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
                 row[1] += s * r.attention.square
                 row[2] += s * r.attention.count
             attn_rows.append(row)
-            attn_t.append(b["compute_ms_per_layer"] / 1e3)
-        if "dispatch_ms_per_layer" in b and recs:
+            attn_t.append(b.compute_ms_per_layer / 1e3)
+        if b.dispatch_ms_per_layer is not None and recs:
             row = [0.0, 0.0]
             for r in recs:
                 s = r.dispatch.stretch / r.dispatches / len(recs)
                 row[0] += s * r.dispatch.count
                 row[1] += s * r.dispatch.square  # bytes
             disp_rows.append(row)
-            disp_t.append(b["dispatch_ms_per_layer"] / 1e3)
+            disp_t.append(b.dispatch_ms_per_layer / 1e3)
         f = rp.sim.ffn
-        if "ffn_ms_per_item" in b and f.items:
+        if b.ffn_ms_per_item is not None and f.items:
             s = f.stretch / f.items
             ffn_rows.append([s * f.rows, s * f.serves, s * f.touched])
-            ffn_t.append(b["ffn_ms_per_item"] / 1e3)
+            ffn_t.append(b.ffn_ms_per_item / 1e3)
     fits: list[LinearFit] = [
         fit_nonnegative(ATTENTION_FEATURES, attn_rows, attn_t, "attention compute per layer"),
         fit_nonnegative(FFN_FEATURES, ffn_rows, ffn_t, "FFN time per item"),
@@ -179,9 +180,11 @@ def score(runs: Sequence[MeasuredRun], cal: Calibration) -> float:
     errors = []
     for rp in replay(runs, cal, MODES):
         s = summary(rp.sim)
-        for key, value in (("makespan_s", s.makespan_s), ("ttft_p50", s.ttft_p50)):
-            median = statistics.median(m[key] for m in rp.measured)
-            errors.append(_log_error(value, median))
+        for value, measured in (
+            (s.makespan_s, [m.makespan_s for m in rp.measured]),
+            (s.ttft_p50, [m.ttft_p50 for m in rp.measured]),
+        ):
+            errors.append(_log_error(value, statistics.median(measured)))
     return statistics.fmean(errors) if errors else math.inf
 
 

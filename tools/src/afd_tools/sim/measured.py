@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from afd_models import DeepseekConfig, preset
+from afd_tools.prefill.metrics import ModeSummary
 from afd_tools.prefill.run_report import Deployment, RunReport
 from afd_tools.prefill.typed_json import ReportError
 from afd_tools.prefill.workload import Request
@@ -28,13 +29,13 @@ from afd_tools.sim.costs import SimError, Wire
 @dataclass(frozen=True)
 class MeasuredRun:
     """One ``afd run`` report: the deployment, the exact requests, and what each mode
-    measured (the ``modes`` object of the report). The deployment's fields the simulator
+    measured (the report's summaries, by mode). The deployment's fields the simulator
     reads are properties of the run too (``run.budget`` is its batching budget)."""
 
     source: str
     deployment: Deployment
     requests: tuple[Request, ...]
-    modes: dict[str, dict[str, Any]]
+    modes: dict[str, ModeSummary]
 
     @property
     def device(self) -> str:
@@ -121,7 +122,7 @@ def measured_run(report: RunReport, where: str) -> MeasuredRun:
         requests=tuple(
             Request(r.request_id, r.prompt_len, r.arrival, r.replica) for r in report.requests
         ),
-        modes={m: s.to_json() for m, s in report.modes.items()},
+        modes=dict(report.modes),
     )
 
 
@@ -180,10 +181,19 @@ def _legacy_arg(args: dict[str, Any], key: str, parse: Callable[[str], Any], whe
 def parse_legacy_report(report: Any, where: str) -> MeasuredRun:
     """A :class:`MeasuredRun` from an unversioned ``afd run --json`` object (no
     ``schema``): its :class:`Deployment` parsed back from the ``args`` strings (the device
-    as placed where the report says, since ``args`` may say ``auto``)."""
+    as placed where the report says, since ``args`` may say ``auto``) and its modes read
+    as the typed report's are (:meth:`ModeSummary.from_json`)."""
     if not isinstance(report, dict) or "args" not in report or "modes" not in report:
         raise SimError(f"{where}: not an afd run --json report (no 'args' and 'modes')")
     args = report["args"]
+    if not isinstance(report["modes"], dict):
+        raise SimError(f"{where}: field 'modes' must be an object")
+    try:
+        modes = {
+            m: ModeSummary.from_json(s, where, f"modes.{m}") for m, s in report["modes"].items()
+        }
+    except ReportError as exc:
+        raise SimError(str(exc)) from None
     try:
         values = {
             key: _legacy_arg(args, key, read, where) for key, read in _LEGACY_REQUIRED.items()
@@ -203,7 +213,7 @@ def parse_legacy_report(report: Any, where: str) -> MeasuredRun:
             source=where,
             deployment=Deployment(**values),
             requests=requests,
-            modes=dict(report["modes"]),
+            modes=modes,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SimError(f"{where}: malformed afd run report ({exc!r})") from None

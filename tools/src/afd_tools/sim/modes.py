@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from afd_tools.prefill.layer_times import LayerTimes
+from afd_tools.prefill.metrics import ReplicaTimes
 from afd_tools.prefill.workload import Chunk, ChunkQueue, Request
 from afd_tools.sim.costs import CostModel, experts_touched
 from afd_tools.sim.engine import COMPUTE, DELAY, WAIT, Engine, Part, Process, Signal
@@ -90,18 +91,12 @@ class FFNFeatures:
 
 
 @dataclass
-class ReplicaRecord:
-    """One simulated replica's record of a mode; it has the attributes of
-    :class:`afd_tools.run.ranks.ModeResult` that :func:`afd_tools.prefill.metrics.summarize`
-    and the timeline plot read."""
+class ReplicaRecord(ReplicaTimes):
+    """One simulated replica's record of a mode: the times ``afd run``'s replicas record
+    (:class:`~afd_tools.prefill.metrics.ReplicaTimes`, what
+    :func:`~afd_tools.prefill.metrics.summarize` and the timeline plot read), the sums
+    behind its per-layer times, and the cost model's inputs."""
 
-    done: dict[int, float] = field(default_factory=dict)
-    busy_s: float = 0.0
-    wait_s: float = 0.0
-    batches: list[tuple[float, float, int]] = field(default_factory=list)
-    dummy_batches: int = 0
-    origin: float = 0.0
-    layer_times: dict[str, float] = field(default_factory=dict)
     dispatch_s: float = 0.0
     combine_s: float = 0.0
     step_s: float = 0.0

@@ -55,7 +55,10 @@ def predict_held_out(
     for rp in replay(held_out, cal, MODES):
         result = summary(rp.sim)
         predicted = {"makespan_s": result.makespan_s, "ttft_p50": result.ttft_p50}
-        measured = {f: [float(m[f]) for m in rp.measured] for f in FIGURES}
+        measured = {
+            "makespan_s": [m.makespan_s for m in rp.measured],
+            "ttft_p50": [m.ttft_p50 for m in rp.measured],
+        }
         out.append(Prediction(rp.run.label, rp.mode, measured, predicted, gaps))
     return out
 
