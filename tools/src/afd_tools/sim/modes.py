@@ -1,6 +1,6 @@
 """The simulated ranks of ``afd sim``: what each rank does, step by step, in each mode.
 
-They mirror the programs of :mod:`afd_tools.run.ranks` and the layer-by-stage schedule of
+They mirror the programs of :mod:`afd_tools.run.replica` and the layer-by-stage schedule of
 :mod:`afd_models.schedule`, with costs from :class:`~afd_tools.sim.costs.CostModel`:
 
 * ``async`` -- each attention replica batches its own requests first come, first served
@@ -92,7 +92,7 @@ class FFNFeatures:
 @dataclass
 class ReplicaRecord:
     """One simulated replica's record of a mode; it has the attributes of
-    :class:`afd_tools.run.ranks.ModeResult` that :func:`afd_tools.prefill.metrics.summarize`
+    :class:`afd_tools.run.replica.ModeResult` that :func:`afd_tools.prefill.metrics.summarize`
     and the timeline plot read."""
 
     done: dict[int, float] = field(default_factory=dict)
