@@ -1,6 +1,6 @@
 """Turning the ranks' records into the numbers ``afd run`` reports.
 
-Every attention replica, measured (``afd_tools.run.ranks.ModeResult``) or simulated
+Every attention replica, measured (``afd_tools.run.replica.ModeResult``) or simulated
 (``afd_tools.sim.modes.ReplicaRecord``), keeps a :class:`ReplicaTimes` of each mode;
 :func:`summarize` turns them into the mode's :class:`ModeSummary`.
 """
@@ -29,7 +29,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 class ReplicaTimes:
     """One attention replica's record of one mode: what :func:`summarize` and the timeline
     plot (:func:`afd_tools.prefill.report.write_plot`) read. ``afd run``'s ranks extend it
-    (``afd_tools.run.ranks.ModeResult``: the outputs to verify) and so does the simulator
+    (``afd_tools.run.replica.ModeResult``: the outputs to verify) and so does the simulator
     (``afd_tools.sim.modes.ReplicaRecord``: the cost model's inputs)."""
 
     done: dict[int, float] = field(default_factory=dict)

@@ -17,7 +17,7 @@ import torch
 
 from afd_protocol import AttentionEndpoint, Compute, DispatchHandle, WorkItem
 from afd_tools.prefill.layer_times import LayerTimes
-from afd_tools.run.forwarding import ForwardingEndpoint
+from afd_tools.run.forwarding import DispatchCall, ForwardingEndpoint
 
 
 class Clock:
@@ -72,16 +72,10 @@ class TimedEndpoint(ForwardingEndpoint):
         self._marks.clear()
         self._step_start = None
 
-    def dispatch(
-        self,
-        layer_idx: int,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        stage: int = 0,
-    ) -> DispatchHandle:
+    def forward_dispatch(self, call: DispatchCall) -> DispatchHandle:
+        """Time the wrapped endpoint's dispatch."""
         start = self.clock.mark()
-        handle = self.endpoint.dispatch(layer_idx, hidden_states, topk_ids, topk_weights, stage)
+        handle = super().forward_dispatch(call)
         self._marks.append(("dispatch", start, self.clock.mark()))
         return handle
 

@@ -9,6 +9,9 @@ The colocated baseline never shares a GPU: NCCL refuses two ranks of one communi
 one GPU, and gloo would measure gloo. Colocated DP+EP puts one rank on each GPU the AFD
 ranks use (rank ``g`` on GPU ``g``); where that is a single GPU, it is what a one-GPU user
 runs instead: the monolithic model in one process (``mono``, DP1 and EP1).
+
+Inside a launched rank, :func:`rank_device` checks the device it was given and
+:func:`random_weights` draws the run's weights there.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from afd_models import RandomWeights, check_gemms_write_every_output
+from afd_protocol import Connection
 from afd_tools.prefill.workload import WorkloadError
 
 DEVICE_DEFAULTS = {
@@ -149,3 +154,26 @@ def _colocated_devices(
     if mode == "dp-ep":
         return per_processor
     return attention
+
+
+def rank_device(connection: Connection, device: str) -> torch.device:
+    """Where this rank's model runs: ``device`` ("cpu", "cuda:N"); a transport on a GPU
+    must be on that same GPU, and the GPU must pass the GEMM start-up probe
+    (:func:`afd_models.check_gemms_write_every_output`)."""
+    chosen = torch.device(device)
+    there = connection.device
+    if there.type != "cpu" and there != chosen:
+        raise RuntimeError(
+            f"the transport runs on {there} but this rank was given {chosen}; the launcher and "
+            f"the transport must place ranks alike"
+        )
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+        check_gemms_write_every_output(chosen)  # e.g. cuBLAS at some MPS shares
+    return chosen
+
+
+def random_weights(seed: int, device: torch.device) -> RandomWeights:
+    """The run's weights, drawn where they are used: on a GPU (fast for large presets, and
+    the same values on every GPU) or on the CPU."""
+    return RandomWeights(seed, device=device if device.type == "cuda" else "cpu")

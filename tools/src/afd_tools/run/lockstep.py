@@ -7,7 +7,7 @@ soon as the last one arrives (no polling delay), nothing is created that could o
 crash (no semaphore, no shared-memory name), and the wait checks, between short slices,
 that the other replicas and the launcher are still alive -- a dead replica is reported in a
 fraction of a second, like every other wait of afd, instead of holding the others until a
-timeout.
+timeout. :class:`LockstepEndpoint` puts that barrier before every MoE dispatch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from afd_protocol import PeerAborted, PeerTimeout, process_alive, supervisor_from_env
+from afd_protocol import (
+    AttentionEndpoint,
+    DispatchHandle,
+    PeerAborted,
+    PeerTimeout,
+    process_alive,
+    supervisor_from_env,
+)
+from afd_tools.run.forwarding import DispatchCall, ForwardingEndpoint
 
 _MESSAGE = struct.Struct("<iq")
 """(sender, value)."""
@@ -90,6 +98,25 @@ class Lockstep:
         ]
         if dead:
             raise PeerAborted(f"attention replica {self.me}: replicas {dead} exited ({what})")
+
+
+class LockstepEndpoint(ForwardingEndpoint):
+    """An attention endpoint whose every dispatch first waits for all replicas: the
+    lockstep of synchronous AFD, as an :class:`~afd_protocol.AttentionEndpoint`.
+    :attr:`wait_s` adds up the seconds spent in those waits (reset it per step)."""
+
+    def __init__(self, endpoint: AttentionEndpoint, lockstep: Lockstep, timeout: float) -> None:
+        super().__init__(endpoint)
+        self.lockstep = lockstep
+        self.timeout = timeout
+        self.wait_s = 0.0
+
+    def forward_dispatch(self, call: DispatchCall) -> DispatchHandle:
+        """Wait for every replica, then dispatch."""
+        start = time.monotonic()
+        self.lockstep.barrier(self.timeout, f"lockstep before layer {call.layer_idx}")
+        self.wait_s += time.monotonic() - start
+        return super().forward_dispatch(call)
 
 
 def pipes(ctx: Any, replicas: int) -> tuple[list[Connection], list[Connection]]:

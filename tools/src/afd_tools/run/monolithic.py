@@ -14,16 +14,16 @@ has no peers (:class:`MonolithicConnection`).
 
 from __future__ import annotations
 
-import time
 from multiprocessing.connection import Connection as Pipe
 
 import torch
 
-from afd_models import DeepseekConfig, KVCache, MonolithicModel, PromptChunk
-from afd_protocol import InvalidArgument, Role, WindowLayout, check_supervisor, freeze_heap
-from afd_tools.prefill.workload import ChunkQueue, Request
+from afd_models import DeepseekConfig, KVCache, MonolithicModel, PrefillOutput, Prompt
+from afd_protocol import InvalidArgument, Role, WindowLayout, freeze_heap
+from afd_tools.prefill.workload import Request
+from afd_tools.run.devices import random_weights, rank_device
 from afd_tools.run.peerless import PeerlessConnection
-from afd_tools.run.ranks import ModeResult, random_weights, rank_device, request_tokens
+from afd_tools.run.replica import ChunkLoop, ModeResult, request_tokens
 from afd_tools.run.routing import RoutingLog
 
 MODE = "colocated"
@@ -75,39 +75,19 @@ def monolithic_replica(
     )
     prompts = {r.request_id: request_tokens(r, config.vocab_size, seed) for r in requests}
     log = RoutingLog(config.moe_layers)  # every step's expert choices, for the verification
+    loop = ChunkLoop(
+        requests, max_tokens, prompts, log, progress, f"monolithic rank {connection.rank}"
+    )
     model.forward([torch.zeros(min(4, max_tokens), dtype=torch.long)], compute_logits=False)
     _synchronize(where)  # warmed up: allocations and first calls are not timed
     freeze_heap()
-    origin = time.monotonic()
-    result = ModeResult(origin=origin)
-    queue = ChunkQueue(requests, max_tokens)
-    cache = KVCache()  # earlier chunks of prompts longer than the budget
-    while not queue.empty:
-        now = time.monotonic() - origin
-        chunks = queue.next_step(now)
-        if not chunks:  # idle until the next arrival; an orphan (launcher gone) stops here
-            check_supervisor(f"monolithic rank {connection.rank}")
-            time.sleep(min(0.01, max(0.0, queue.next_arrival - now)))
-            continue
-        start = time.monotonic() - origin
-        entries = [
-            PromptChunk(c.request_id, prompts[c.request_id][c.begin : c.end], c.begin, c.final)
-            for c in chunks
-        ]
+
+    def step(entries: list[Prompt], rows: int, cache: KVCache) -> tuple[PrefillOutput, float]:
         output = model.forward(entries, compute_logits=False, cache=cache, select=log)
         _synchronize(where)  # the step ends when its work did
-        end = time.monotonic() - origin
-        result.busy_s += end - start
-        result.batches.append((start, end, sum(c.end - c.begin for c in chunks)))
-        result.steps.append([(c.request_id, c.begin, c.end, c.final) for c in chunks])
-        result.routing.append(log.take())  # after the end time: its copy is not timed
-        last = output.last_hidden_states().float().cpu()
-        for row, chunk in enumerate(chunks):
-            if chunk.final:  # the prompt's last token: its time to first token
-                result.done[chunk.request_id] = end
-                result.last_hidden[chunk.request_id] = last[row].clone()
-                progress.send_bytes(b"1")
-    return {MODE: result}
+        return output, 0.0
+
+    return {MODE: loop.run(step)}
 
 
 def _synchronize(device: torch.device) -> None:

@@ -21,7 +21,7 @@ from afd_protocol import (
     WorkItem,
     WorkItemPart,
 )
-from afd_tools.run.forwarding import ForwardingEndpoint
+from afd_tools.run.forwarding import DispatchCall, ForwardingEndpoint
 
 
 class StagedAttentionEndpoint(ForwardingEndpoint):
@@ -34,22 +34,9 @@ class StagedAttentionEndpoint(ForwardingEndpoint):
         self.endpoint_device = endpoint_device
         self.model_device = model_device
 
-    def dispatch(
-        self,
-        layer_idx: int,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        stage: int = 0,
-    ) -> DispatchHandle:
-        there = self.endpoint_device
-        return self.endpoint.dispatch(
-            layer_idx,
-            hidden_states.to(there),
-            topk_ids.to(there),
-            topk_weights.to(there),
-            stage,
-        )
+    def forward_dispatch(self, call: DispatchCall) -> DispatchHandle:
+        """Dispatch the call's tensors from the endpoint's device."""
+        return super().forward_dispatch(call.to(self.endpoint_device))
 
     def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
         return self.endpoint.combine(handle, timeout).to(self.model_device)

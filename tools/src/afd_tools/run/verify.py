@@ -250,7 +250,7 @@ class Verifier:
         return replay
 
     def check(self, prompts: Mapping[int, torch.Tensor], result: Any) -> dict[int, RequestCheck]:
-        """Every finished request of one replica's :class:`~afd_tools.run.ranks.ModeResult`."""
+        """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`."""
         recorded = getattr(result, "routing", None)
         replay = self.replica(prompts, result.steps, recorded or None)
         return {

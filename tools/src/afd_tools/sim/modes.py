@@ -1,6 +1,6 @@
 """The simulated ranks of ``afd sim``: what each rank does, step by step, in each mode.
 
-They mirror the programs of :mod:`afd_tools.run.ranks` and the layer-by-stage schedule of
+They mirror the programs of :mod:`afd_tools.run.replica` and the layer-by-stage schedule of
 :mod:`afd_models.schedule`, with costs from :class:`~afd_tools.sim.costs.CostModel`:
 
 * ``async`` -- each attention replica batches its own requests first come, first served

@@ -1,0 +1,307 @@
+"""The attention replica's pieces on their own, without processes or a transport: the
+first-come-first-served loop (its lockstep of batch sizes and dummy batches, its end, its
+busy/wait accounting), the modes' steps, and the endpoint wrappers over the one
+forwarding base."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from afd_models import KVCache, PromptChunk
+from afd_tools.prefill.layer_times import LayerTimes
+from afd_tools.prefill.workload import Request
+from afd_tools.run.breakdown import Clock, TimedEndpoint
+from afd_tools.run.expert_parallel import ExpertParallelEndpoint
+from afd_tools.run.forwarding import DispatchCall, ForwardingEndpoint
+from afd_tools.run.lockstep import LockstepEndpoint
+from afd_tools.run.replica import (
+    AsyncMode,
+    ChunkLoop,
+    ColocatedMode,
+    ExpertParallelMode,
+    ReplicaMode,
+    SyncMode,
+    replica_mode,
+)
+from afd_tools.run.routing import RoutingLog
+from afd_tools.run.staging import StagedAttentionEndpoint
+
+K = 2
+"""Experts per token in the fake routing."""
+
+
+class ScriptedSizes:
+    """The other replica of a lockstep of two: its batch size at each step is scripted;
+    records what this replica sent."""
+
+    def __init__(self, others: list[int], seconds: float = 0.0) -> None:
+        self.others = list(others)
+        self.seconds = seconds
+        self.sent: list[int] = []
+
+    def exchange(self, value: int, timeout: float, what: str) -> list[int]:
+        assert what == "step start"
+        self.sent.append(value)
+        time.sleep(self.seconds)  # waiting for the other replica
+        return [value, self.others.pop(0)]
+
+
+class FakeStep:
+    """A step that records its calls and routes every token like a one-MoE-layer model; the
+    final hidden state of a row is its chunk's last token id."""
+
+    def __init__(self, log: RoutingLog, waited: float = 0.0, seconds: float = 0.0) -> None:
+        self.log = log
+        self.waited = waited
+        self.seconds = seconds
+        self.calls: list[tuple[list[Any], int]] = []
+
+    def __call__(self, entries: list[Any], rows: int, cache: KVCache) -> tuple[Any, float]:
+        self.calls.append((entries, rows))
+        tokens = sum(len(_tokens(e)) for e in entries)
+        self.log(0, SimpleNamespace(ids=torch.zeros(tokens, K, dtype=torch.long)))  # type: ignore[arg-type]
+        time.sleep(self.seconds)
+        last = torch.tensor([[float(_tokens(e)[-1])] for e in entries])
+        return SimpleNamespace(last_hidden_states=lambda: last), self.waited
+
+
+def _tokens(entry: Any) -> torch.Tensor:
+    return entry.tokens if isinstance(entry, PromptChunk) else entry
+
+
+def _loop(requests: list[Request], max_tokens: int) -> tuple[ChunkLoop, Any]:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    prompts = {r.request_id: torch.arange(r.prompt_len) + 100 * r.request_id for r in requests}
+    loop = ChunkLoop(requests, max_tokens, prompts, RoutingLog((0,)), writer, "test replica", 5.0)
+    return loop, reader
+
+
+def _finished(reader: Any) -> int:
+    count = 0
+    while reader.poll(0):
+        assert reader.recv_bytes() == b"1"
+        count += 1
+    return count
+
+
+def test_a_replica_out_of_work_joins_the_others_steps_with_dummy_batches() -> None:
+    """One request of 6 tokens at a budget of 4: two real steps (4, then the final 2),
+    then two steps of the other replica's that this one joins with a one-token dummy,
+    and the loop ends once both said -1; the exchanges count as waiting, not as busy."""
+    loop, reader = _loop([Request(0, 6, 0.0)], max_tokens=4)
+    sizes = ScriptedSizes([3, 3, 3, 3, -1], seconds=0.02)
+    step = FakeStep(loop.log)
+    result = loop.run(step, sizes)
+    assert sizes.sent == [4, 2, -1, -1, -1]
+    assert [rows for _, rows in step.calls] == [4, 3, 3, 3]  # the step's largest batch
+    dummies = [entries for entries, _ in step.calls[2:]]
+    assert all(len(e) == 1 and torch.equal(e[0], torch.zeros(1, dtype=torch.long)) for e in dummies)
+    assert result.dummy_batches == 2
+    assert [tokens for _, _, tokens in result.batches] == [4, 2, 0, 0]
+    assert result.steps == [[(0, 0, 4, False)], [(0, 4, 6, True)]]  # real steps only
+    assert [r.shape for r in result.routing] == [(1, 4, K), (1, 2, K)]
+    assert list(result.done) == [0]
+    assert result.done[0] == result.batches[1][1]
+    assert result.last_hidden[0].item() == 5.0  # request 0's last token id (100 * 0 + 5)
+    assert _finished(reader) == 1
+    assert result.wait_s >= 5 * 0.02
+    assert result.busy_s == pytest.approx(sum(end - start for start, end, _ in result.batches))
+
+
+def test_a_lockstepped_loop_runs_until_every_replica_is_done() -> None:
+    """Nothing here at all: the loop still joins every step of the other replica's (one
+    dummy each) and only ends when it has nothing left either."""
+    loop, _ = _loop([], max_tokens=4)
+    sizes = ScriptedSizes([1, 7, -1])
+    step = FakeStep(loop.log)
+    result = loop.run(step, sizes)
+    assert (sizes.sent, result.dummy_batches, result.steps) == ([-1, -1, -1], 2, [])
+    assert [rows for _, rows in step.calls] == [1, 7]
+    assert not sizes.others
+
+
+def test_a_free_running_loop_ends_when_its_queue_is_empty_and_waits_for_arrivals() -> None:
+    """Without a lockstep: no dummy batches, the idle replica sleeps until the second
+    request arrives, and busy / wait split every step's time by what the step waited."""
+    loop, reader = _loop([Request(0, 3, 0.0), Request(1, 2, 0.15)], max_tokens=8)
+    step = FakeStep(loop.log, waited=0.004, seconds=0.01)
+    result = loop.run(step)
+    assert result.dummy_batches == 0
+    assert result.steps == [[(0, 0, 3, True)], [(1, 0, 2, True)]]
+    assert [rows for _, rows in step.calls] == [0, 0]
+    assert result.batches[1][0] >= 0.15  # not before its arrival
+    spans = sum(end - start for start, end, _ in result.batches)
+    assert result.busy_s == pytest.approx(spans - 2 * 0.004)
+    assert result.wait_s == pytest.approx(2 * 0.004)
+    assert result.last_hidden[1].item() == 101.0
+    assert _finished(reader) == 2
+
+
+class RecordingEndpoint:
+    """The innermost attention endpoint: records every dispatch and combine."""
+
+    rank = 0
+    dtype = torch.float32
+    in_flight = 0
+
+    def __init__(self) -> None:
+        self.dispatched: list[tuple[Any, ...]] = []
+
+    def dispatch(self, *args: Any) -> str:
+        self.dispatched.append(args)
+        return f"handle {len(self.dispatched)}"
+
+    def combine(self, handle: str, timeout: float | None = None) -> torch.Tensor:
+        return torch.ones(2, 3)
+
+
+class SlowBarrier:
+    """A lockstep whose every barrier takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.barriers: list[str] = []
+
+    def barrier(self, timeout: float, what: str) -> None:
+        self.barriers.append(what)
+        time.sleep(self.seconds)
+
+
+def _dispatch_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 3), torch.zeros(2, K, dtype=torch.long), torch.ones(2, K)
+
+
+def test_every_wrapper_passes_the_dispatch_on_unchanged_through_the_forwarding_base() -> None:
+    inner = RecordingEndpoint()
+    barrier = SlowBarrier(0.0)
+    staged = StagedAttentionEndpoint(inner, torch.device("cpu"), torch.device("cpu"))  # type: ignore[arg-type]
+    timed = TimedEndpoint(staged, Clock(torch.device("cpu")))
+    outer = LockstepEndpoint(timed, barrier, 1.0)  # type: ignore[arg-type]
+    for wrapper in (staged, timed, outer):
+        assert isinstance(wrapper, ForwardingEndpoint)
+        assert "dispatch" not in type(wrapper).__dict__  # only forward_dispatch is changed
+    hidden, ids, weights = _dispatch_inputs()
+    handle = outer.dispatch(3, hidden, ids, weights, 1)
+    assert handle == "handle 1"
+    (args,) = inner.dispatched
+    assert args[0] == 3
+    assert args[4] == 1
+    assert all(torch.equal(a, b) for a, b in zip(args[1:4], (hidden, ids, weights), strict=True))
+    assert barrier.barriers == ["lockstep before layer 3"]
+    timed.end_step()
+    assert timed.totals.layers == 1
+    call = DispatchCall(5, hidden, ids, weights)
+    assert call.to(torch.device("cpu")).on(inner) == "handle 2"
+    assert inner.dispatched[1][0] == 5
+
+
+class FakeModel:
+    """An attention model with one MoE layer dispatched twice per forward (two stages'
+    worth), whose combines waited ``combine_wait_s``."""
+
+    def __init__(self, combine_wait_s: float) -> None:
+        self.stats = SimpleNamespace(combine_wait_s=combine_wait_s)
+        self.calls: list[dict[str, Any]] = []
+
+    def forward(self, entries: list[Any], endpoint: Any, **options: Any) -> str:
+        self.calls.append({"endpoint": endpoint, **options})
+        for _ in range(2):
+            endpoint.combine(endpoint.dispatch(0, *_dispatch_inputs()))
+        return "output"
+
+
+def _setup(barrier_s: float = 0.0, combine_wait_s: float = 0.0, **more: Any) -> Any:
+    timed = TimedEndpoint(RecordingEndpoint(), Clock(torch.device("cpu")))  # type: ignore[arg-type]
+    barriers = LockstepEndpoint(timed, SlowBarrier(barrier_s), 1.0)  # type: ignore[arg-type]
+    fields = {
+        "model": FakeModel(combine_wait_s),
+        "timed": timed,
+        "barriers": barriers,
+        "loop": SimpleNamespace(log="the log"),
+        "num_stages": 2,
+        "expert_parallel": None,
+    }
+    return SimpleNamespace(**(fields | more))
+
+
+def test_a_sync_step_waits_at_every_dispatch_and_counts_the_barriers_as_waiting() -> None:
+    setup = _setup(barrier_s=0.02, combine_wait_s=0.003)
+    setup.barriers.wait_s = 99.0  # a previous step's: reset by this one
+    setup.timed.totals = LayerTimes()
+    output, waited = SyncMode(setup).step(["entry"], 1, KVCache())
+    assert output == "output"
+    (call,) = setup.model.calls
+    assert call["endpoint"] is setup.barriers
+    assert call["num_stages"] == 1
+    assert call["select"] == "the log"
+    assert call["compute_logits"] is False
+    assert setup.barriers.lockstep.barriers == ["lockstep before layer 0"] * 2
+    assert setup.barriers.wait_s >= 0.04
+    assert waited == pytest.approx(0.003 + setup.barriers.wait_s)
+    assert setup.timed.totals.barrier_s == setup.barriers.wait_s
+    assert setup.timed.totals.layers == 2
+    assert setup.timed.totals.step_s >= 0.04
+
+
+def test_an_async_step_runs_its_stages_over_the_timed_endpoint_without_barriers() -> None:
+    setup = _setup(combine_wait_s=0.003)
+    output, waited = AsyncMode(setup).step(["entry"], 0, KVCache())
+    (call,) = setup.model.calls
+    assert call["endpoint"] is setup.timed
+    assert call["num_stages"] == 2
+    assert (output, waited) == ("output", 0.003)
+    assert setup.barriers.lockstep.barriers == []
+    assert setup.timed.totals.barrier_s == 0.0
+    assert setup.timed.totals.layers == 2
+
+
+def test_modes_are_chosen_by_name_and_by_the_connection() -> None:
+    setup = _setup()
+    assert [type(replica_mode(m, setup)) for m in ("async", "sync", "colocated")] == [
+        AsyncMode,
+        SyncMode,
+        ColocatedMode,
+    ]
+    assert [m.lockstepped for m in (AsyncMode, SyncMode, ColocatedMode, ExpertParallelMode)] == [
+        False,
+        True,
+        False,
+        True,
+    ]
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        replica_mode("fast", setup)
+    ep = _setup(expert_parallel=object.__new__(ExpertParallelEndpoint))
+    assert type(replica_mode("colocated", ep)) is ExpertParallelMode
+    with pytest.raises(ValueError, match="only the colocated mode, not 'sync'"):
+        replica_mode("sync", ep)
+
+
+class RecordingLoop:
+    """A loop that records how a mode ran it."""
+
+    def __init__(self) -> None:
+        self.sizes: list[Any] = []
+
+    def run(self, step: Any, sizes: Any = None) -> Any:
+        self.sizes.append(sizes)
+        return SimpleNamespace(layer_times={})
+
+
+@pytest.mark.parametrize("mode", [AsyncMode, SyncMode])
+def test_a_mode_starts_with_every_replica_and_steps_together_only_when_lockstepped(
+    mode: type[ReplicaMode],
+) -> None:
+    lockstep = SlowBarrier(0.0)
+    setup = _setup(loop=RecordingLoop(), lockstep=lockstep, run_timeout=7.0)
+    setup.timed.totals.layers = 5  # a previous mode's: reset at the start
+    result = mode(setup).run()
+    assert lockstep.barriers == [f"start of mode {mode.name}"]
+    assert setup.loop.sizes == [lockstep if mode.lockstepped else None]
+    assert setup.timed.totals.layers == 0
+    assert result.layer_times == {}
