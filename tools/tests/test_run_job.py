@@ -17,6 +17,7 @@ from afd_tools.outputs import json_safe
 from afd_tools.prefill.run_report import SCHEMA, RunReport
 from afd_tools.prefill.workload import WorkloadError
 from afd_tools.run.api import run_job
+from afd_tools.run.command import job_from_args
 from afd_tools.run.job import MODES, RunJob
 from afd_tools.run.plan import prepare
 
@@ -73,7 +74,7 @@ def test_a_job_is_frozen_and_a_changed_copy_is_checked_again() -> None:
 
 
 def test_the_command_line_defaults_are_the_jobs() -> None:
-    assert RunJob.from_args(_parsed()) == RunJob()
+    assert job_from_args(_parsed()) == RunJob()
 
 
 def test_the_command_line_builds_the_job_field_by_field() -> None:
@@ -83,7 +84,7 @@ def test_the_command_line_builds_the_job_field_by_field() -> None:
         "--wire-format", "per_choice", "--combine-reduce", "attention", "--tie-margin", "0.5",
         "--json", "out.json", "--no-progress",
     )  # fmt: skip
-    job = RunJob.from_args(args)
+    job = job_from_args(args)
     assert job == RunJob(
         device="cpu",
         attention_ranks=3,
@@ -116,7 +117,7 @@ def test_the_command_line_builds_the_job_field_by_field() -> None:
 def test_the_command_line_of_a_job_builds_that_job(job: RunJob) -> None:
     words = shlex.split(job.command_line())
     assert words[:2] == ["afd", "run"]
-    assert RunJob.from_args(_parsed(*words[2:])) == job
+    assert job_from_args(_parsed(*words[2:])) == job
 
 
 def test_a_job_is_resolved_for_the_device_when_it_is_planned() -> None:
@@ -152,7 +153,7 @@ def test_run_job_returns_the_report_afd_run_writes(
     on the same options writes that report (the timings aside, which differ run to run)."""
     path = tmp_path / "run.json"
     argv = [*TINY, "--no-progress", "--json", str(path)]
-    report = run_job(RunJob.from_args(_parsed(*argv)))
+    report = run_job(job_from_args(_parsed(*argv)))
     assert capsys.readouterr().out == ""
     assert isinstance(report, RunReport)
     assert not path.exists()  # writing is the command's business

@@ -43,7 +43,7 @@ from typing import Any
 from afd_tools.outputs import check_writable, json_safe, write_atomically
 from afd_tools.prefill.run_report import RunReport
 from afd_tools.prefill.workload import WorkloadError, prompt_lengths
-from afd_tools.run.command import add_run_options, run_and_print
+from afd_tools.run.command import add_run_options, job_from_args, run_and_print
 from afd_tools.run.job import RunJob
 
 WORKLOADS = ("uneven", "uniform", "long", "balanced")
@@ -159,7 +159,7 @@ def point_job(
     parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
     add_run_options(parser)
     parser.set_defaults(**defaults)
-    return RunJob.from_args(parser.parse_args(args.run_arg))
+    return job_from_args(parser.parse_args(args.run_arg))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -32,6 +33,15 @@ from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN
 
 DEFAULT = RunJob()
 """The job of ``afd run`` without options: where the options' defaults come from."""
+
+
+def job_from_args(args: argparse.Namespace) -> RunJob:
+    """The job of ``afd run``'s parsed options (every :class:`RunJob` field from the option
+    of its name; ``--mode all`` is every mode): the one place that reads the namespace."""
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(RunJob) if f.name != "modes"
+    }
+    return RunJob(modes=MODES if args.mode == "all" else (args.mode,), **values)
 
 
 def add_parser(sub: Any) -> None:
@@ -185,7 +195,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``afd run``'s handler: the job of the command line, run and reported."""
     try:
-        job = RunJob.from_args(args)
+        job = job_from_args(args)
     except WorkloadError as exc:
         return _error(exc)
     code, _ = run_and_print(job)

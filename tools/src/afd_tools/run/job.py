@@ -4,9 +4,9 @@ A job is the deployment (A attention replicas, F FFN ranks, model shapes, batchi
 dtype, wire format, who reduces, where shared experts run, stages, device, transport,
 expert backend, how ranks share GPUs), the workload, the modes to compare, the
 verification's tie margin, the seeds and timeouts, and the output options. ``afd run``
-builds one from its command line (:meth:`RunJob.from_args`, the one place that reads the
-parsed options); ``afd bench prefill`` and ``afd soak`` build theirs directly, and
-:func:`afd_tools.run.api.run_job` runs any of them.
+builds one from its command line (:func:`afd_tools.run.command.job_from_args`, the one
+place that reads the parsed options); ``afd bench prefill`` and ``afd soak`` build theirs
+directly, and :func:`afd_tools.run.api.run_job` runs any of them.
 
 Fields left ``None`` (``dtype``, ``backend``, ``transport``, ``colocated``) follow from the
 device when the job is planned (:func:`afd_tools.run.plan.prepare`); what a job may be is
@@ -17,7 +17,6 @@ the plan.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import shlex
 from dataclasses import dataclass
@@ -147,15 +146,6 @@ class RunJob:
                 "--combine-reduce ffn needs --wire-format per_rank (per_choice rows carry no "
                 "weights for the FFN ranks to reduce with); add --combine-reduce attention"
             )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RunJob:
-        """The job of ``afd run``'s parsed options (every field from the option of its name;
-        ``--mode all`` is every mode)."""
-        values = {
-            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "modes"
-        }
-        return cls(modes=MODES if args.mode == "all" else (args.mode,), **values)
 
     @property
     def mode_option(self) -> str:
