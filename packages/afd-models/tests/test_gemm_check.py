@@ -78,3 +78,28 @@ def test_a_cpu_device_is_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
 class _Props:
     def __init__(self, sms: int) -> None:
         self.multi_processor_count = sms
+
+
+@pytest.mark.parametrize("build", ["monolithic", "attention", "ffn"])
+def test_every_model_refuses_a_device_whose_gemms_drop_outputs(
+    monkeypatch: pytest.MonkeyPatch, build: str
+) -> None:
+    """The probe runs where every model resolves its device, before anything is built."""
+    from afd_models import AttentionRoleModel, FFNRoleExecutor, MonolithicModel, _common, preset
+
+    probed: list[torch.device] = []
+
+    def refuse(device: torch.device) -> None:
+        probed.append(device)
+        raise DeviceError(f"planted: {device} drops GEMM outputs")
+
+    monkeypatch.setattr(_common, "check_gemms_write_every_output", refuse)
+    config = preset("tiny")
+    makers: dict[str, Callable[[], object]] = {
+        "monolithic": lambda: MonolithicModel(config, device="cuda:3"),
+        "attention": lambda: AttentionRoleModel(config, device="cuda:3"),
+        "ffn": lambda: FFNRoleExecutor(config, [0, 1], device="cuda:3"),
+    }
+    with pytest.raises(DeviceError, match=r"planted: cuda:3 drops GEMM outputs"):
+        makers[build]()
+    assert probed == [torch.device("cuda:3")]

@@ -7,7 +7,9 @@ workspace, reduced-precision reduction and the cuBLASLt path changed nothing), w
 66 and 132 SMs wrote everything. An unwritten element keeps whatever the allocator's
 block held before -- a NaN, or worse a plausible stale number -- so a rank on such a share
 computes wrong results silently. :func:`check_gemms_write_every_output` runs the probe in a
-few milliseconds and raises :class:`~afd_models.errors.DeviceError` before any work.
+few milliseconds and raises :class:`~afd_models.errors.DeviceError` before any work; every
+model of this package (monolithic, attention role, FFN role) calls it when it is built on a
+CUDA device, once per device and process.
 
 The probe: outputs filled with NaN, ``torch.mm(x, w.t(), out=out)`` (beta 0: the library
 must not read ``out``), any NaN left is an element never written. The inputs are finite.

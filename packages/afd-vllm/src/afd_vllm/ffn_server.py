@@ -27,7 +27,7 @@ from types import FrameType
 
 import torch
 
-from afd_models import DeepseekConfig, DeviceError, FFNRoleExecutor, check_gemms_write_every_output
+from afd_models import DeepseekConfig, DeviceError, FFNRoleExecutor
 from afd_models.weights import SafetensorsWeights
 from afd_protocol import AFDError, ServeStats
 from afd_vllm.config import parse_afd_config
@@ -112,7 +112,6 @@ def serve_ffn(args: argparse.Namespace) -> int:
     connector = create_connector(config, geometry)
     local = connector.layout().topology.local_experts(args.rank)
     started = time.perf_counter()
-    check_gemms_write_every_output(args.device)  # refuses a GPU whose GEMMs drop outputs
     executor = FFNRoleExecutor(
         model,
         local,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_models import RandomWeights, check_gemms_write_every_output
+from afd_models import RandomWeights
 from afd_protocol import Connection
 from afd_tools.prefill.workload import WorkloadError
 
@@ -158,8 +158,8 @@ def _colocated_devices(
 
 def rank_device(connection: Connection, device: str) -> torch.device:
     """Where this rank's model runs: ``device`` ("cpu", "cuda:N"); a transport on a GPU
-    must be on that same GPU, and the GPU must pass the GEMM start-up probe
-    (:func:`afd_models.check_gemms_write_every_output`)."""
+    must be on that same GPU (afd_models probes the GPU's GEMMs when a model is built on
+    it: :func:`afd_models.check_gemms_write_every_output`)."""
     chosen = torch.device(device)
     there = connection.device
     if there.type != "cpu" and there != chosen:
@@ -169,7 +169,6 @@ def rank_device(connection: Connection, device: str) -> torch.device:
         )
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
-        check_gemms_write_every_output(chosen)  # e.g. cuBLAS at some MPS shares
     return chosen
 
 
