@@ -82,7 +82,10 @@ class ForwardingEndpoint:
         )
 
     def forward_dispatch(self, call: DispatchCall) -> DispatchHandle:
-        """Pass ``call`` on to the wrapped endpoint."""
+        """Pass ``call`` on to the wrapped endpoint (a wrapped wrapper takes the same call
+        object: one :class:`DispatchCall` per dispatch through the whole chain)."""
+        if isinstance(self.endpoint, ForwardingEndpoint):
+            return self.endpoint.forward_dispatch(call)
         return call.on(self.endpoint)
 
     def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
