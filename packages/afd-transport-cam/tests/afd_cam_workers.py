@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -25,10 +26,18 @@ def _experts(connection: Connection, seed: int, layers: int) -> LinearExperts:
 
 
 def attention_linear(
-    connection: Connection, *, seed: int, layers: int, tokens: list[int], timeout: float = 30.0
+    connection: Connection,
+    *,
+    seed: int,
+    layers: int,
+    tokens: list[int],
+    timeout: float = 30.0,
+    start_after: float = 0.0,
 ) -> list[float]:
-    """Dispatch and combine ``layers`` layers; returns each layer's relative error."""
+    """Dispatch and combine ``layers`` layers, the first ``start_after`` seconds after the
+    connection opened; returns each layer's relative error."""
     endpoint = connection.attention_endpoint(EndpointOptions(timeout=timeout))
+    time.sleep(start_after)
     experts = _experts(connection, seed, layers)
     topo = connection.layout.topology
     errors = []
@@ -43,6 +52,11 @@ def attention_linear(
         errors.append(relative_error(out, experts.reference(layer, x, ids, w, False)))
     endpoint.announce_shutdown()
     return errors
+
+
+def attention_leaves(connection: Connection) -> None:
+    """Open the attention endpoint and close without announcing shutdown (a bug)."""
+    connection.attention_endpoint(EndpointOptions(timeout=5.0))
 
 
 def ffn_linear(

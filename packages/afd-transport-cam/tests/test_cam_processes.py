@@ -33,14 +33,24 @@ def window(per_dp: int = 2, attention: int = 4) -> object:
     return SlotLayout(topo, workers.HIDDEN, 16, 2, dtype="float32").window(ring_depth=1)
 
 
-def specs(attention: int = 4, die_after: int | None = None) -> list[RankSpec]:
+def specs(
+    attention: int = 4, die_after: int | None = None, late_ranks: tuple[int, ...] = ()
+) -> list[RankSpec]:
+    """Every attention rank runs LAYERS layers; ``late_ranks`` start 1 s after the others
+    (20 peer checks later), so the others have shut down and exited by then."""
     tokens = [[16, 3], [16, 3], [1, 9], [1, 9]]  # uneven replicas; members alike
     ranks = [
         RankSpec(
             "attention",
             r,
             workers.attention_linear,
-            {"seed": 4, "layers": LAYERS, "tokens": tokens[r], "timeout": 20.0},
+            {
+                "seed": 4,
+                "layers": LAYERS,
+                "tokens": tokens[r],
+                "timeout": 20.0,
+                "start_after": 1.0 if r in late_ranks else 0.0,
+            },
         )
         for r in range(attention)
     ]
@@ -76,6 +86,34 @@ def test_two_replicas_of_two_ranks_across_processes(quant: bool) -> None:
         # Every replica's every layer, each served once by every FFN rank (no chunks here).
         assert sorted(served) == [(rep, layer) for rep in range(2) for layer in range(LAYERS)]
     assert set(leftover_segments()) <= before
+
+
+def test_a_replica_that_shut_down_and_exited_is_not_taken_for_a_dead_peer() -> None:
+    # Replica 1 (attention ranks 2 and 3) announces its shutdown and exits while the FFN
+    # ranks still wait for replica 0, which starts a second later: a clean exit after
+    # close is not a failure (it was reported as "attention rank 2 ... exited").
+    factory = functools.partial(emulated_connection, spin_timeout=20.0)
+    results = launch(window(), specs(late_ranks=(0, 1)), timeout=120, transport_factory=factory)
+    for r in range(4):
+        assert max(results[f"attention rank {r}"].value) <= 1e-5
+    for f in range(2):
+        served = results[f"ffn rank {f}"].value
+        assert sorted(served) == [(rep, layer) for rep in range(2) for layer in range(LAYERS)]
+
+
+def test_ffn_ranks_stop_by_name_when_every_attention_rank_closed_without_shutdown() -> None:
+    factory = functools.partial(emulated_connection, spin_timeout=20.0)
+    ranks = [RankSpec("attention", r, workers.attention_leaves) for r in range(4)]
+    ranks += [
+        RankSpec("ffn", r, workers.ffn_linear, {"seed": 4, "layers": LAYERS, "timeout": 20.0})
+        for r in range(2)
+    ]
+    with pytest.raises(LaunchError) as failure:
+        launch(window(), ranks, timeout=60, grace=15, transport_factory=factory)
+    for f in range(2):
+        error = failure.value.results[f"ffn rank {f}"].error or ""
+        assert error.startswith("PeerAborted"), error
+        assert "every attention rank closed its connection" in error, error
 
 
 def test_a_killed_ffn_rank_fails_its_peers_by_name_and_leaves_nothing() -> None:

@@ -8,9 +8,14 @@ ranks write into attention windows -- and unlinks its name once every peer mappe
 nothing is left behind whatever happens next. Memory ordering is the shared-memory
 transport's: on x86-64 a ready word stored after its payload is seen after it.
 
-After the window, each segment holds one abort word per world rank: a rank that fails
-sets its word in every peer's segment, and every spinning operator checks them, and that
-the peers' processes are alive, every 50 ms (the NPU has neither and would hang).
+After the window, each segment holds one state word per world rank: a rank that fails
+sets its word to :data:`ABORTED` in every peer's segment, one that closes its connection
+cleanly sets it to :data:`LEFT`. Every spinning operator checks them, and that the peers'
+processes are alive, every 50 ms (the NPU has neither and would hang): an aborted peer,
+or a peer whose process is gone without having closed, fails the wait by name; a peer that
+left is not waited on for liveness (an attention rank that announced its shutdown exits
+while other replicas still work), and once every peer has left nothing more can arrive,
+so that fails the wait too.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from afd_protocol import (
 )
 from afd_transport_cam.emulator.world import DEFAULT_SPIN_TIMEOUT
 from afd_transport_cam.geometry import ALIGN, CamGeometry
+
+RUNNING, ABORTED, LEFT = 0, 1, 2
+"""The values of a rank's state word in its peers' segments (module docstring)."""
 
 
 def describe(geo: CamGeometry) -> dict[str, object]:
@@ -85,8 +93,8 @@ class ShmCamWorld:
             else rendezvous
         )
         self._rendezvous = Rendezvous(store, topology, self._role, rank)
-        self._abort_offset = -(-geo.window_bytes // ALIGN) * ALIGN
-        size = self._abort_offset + 4 * geo.world_size
+        self._state_offset = -(-geo.window_bytes // ALIGN) * ALIGN
+        size = self._state_offset + 4 * geo.world_size
         self._segment, self._peers = share_segments(
             self._rendezvous, size, describe(geo), self._peer_ranks, connect_timeout
         )
@@ -116,31 +124,46 @@ class ShmCamWorld:
             )
         return self._tensor(segment)[: self._geo.window_bytes]
 
-    def _aborts(self, segment: SharedSegment | None) -> torch.Tensor:
-        start = self._abort_offset
+    def _states(self, segment: SharedSegment | None) -> torch.Tensor:
+        start = self._state_offset
         return self._tensor(segment)[start : start + 4 * self.world_size].view(torch.int32)
 
     def check_peers(self) -> None:
-        words = self._aborts(self._segment)
-        failed = [self._rendezvous.describe(p) for p in self._peer_ranks if int(words[p])]
+        """Raise :class:`PeerAborted` when a peer aborted, died without closing, or every
+        peer has closed (module docstring)."""
+        words = [int(w) for w in self._states(self._segment)]
+        failed = [self._rendezvous.describe(p) for p in self._peer_ranks if words[p] == ABORTED]
         if failed:
             raise PeerAborted(
                 f"{self._name}: {', '.join(failed)} aborted (see their own error for the cause)"
             )
-        self._rendezvous.check_alive(self._peer_ranks)
+        running = [p for p in self._peer_ranks if words[p] != LEFT]
+        if not running:
+            raise PeerAborted(
+                f"{self._name}: every {self._role.opposite.value} rank closed its connection, "
+                f"so what this rank waits for cannot arrive"
+            )
+        self._rendezvous.check_alive(running)
+
+    def _tell_peers(self, state: int) -> None:
+        for segment in self._peers.values():
+            if segment.tensor is not None:
+                self._states(segment)[self.world_rank] = state
 
     def abort(self) -> None:
-        """Set this rank's abort word in every peer's segment (best effort, idempotent)."""
+        """Set this rank's word to ABORTED in every peer's segment (best effort,
+        idempotent)."""
         if self._closed or self._aborted:
             return
         self._aborted = True
-        for segment in self._peers.values():
-            if segment.tensor is not None:
-                self._aborts(segment)[self.world_rank] = 1
+        self._tell_peers(ABORTED)
 
     def close(self) -> None:
+        """Unmap every window; a rank that did not abort tells its peers it LEFT first."""
         if self._closed:
             return
+        if not self._aborted:
+            self._tell_peers(LEFT)
         self._closed = True
         if self._segment is not None:
             self._segment.close()
