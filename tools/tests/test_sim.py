@@ -251,7 +251,7 @@ def test_work_is_conserved(scenario: Any, mode: str) -> None:
     # Serial upper bound: every piece of work one after the other, plus every latency
     # (two arrivals and a combine per dispatch -- the bandwidths are infinite here --
     # and a barrier per step and per dispatch in sync).
-    dispatches = sum(r.dispatches for r in run.replicas)
+    dispatches = sum(r.totals.layers for r in run.replicas)
     steps = sum(len(r.batches) + 1 for r in run.replicas)
     everything = (
         run.ffn.nominal_s

@@ -610,3 +610,19 @@ def test_work_and_replies_that_arrive_during_a_wait_end_it() -> None:
     out = attention.combine(handle, timeout=10.0)
     replier.join(10.0)
     assert_reference(out, experts, 0, x, ids, w)
+
+
+def test_a_rank_connection_reports_what_it_holds_and_refuses_a_rank_outside_the_topology() -> None:
+    from afd_protocol import RankConnection, TopologyError
+
+    layout = SlotLayout(Topology(2, 1, 4), 8, 4, 2)
+    held = RankConnection(layout, "ffn", 0, torch.device("cpu"))
+    assert (held.role, held.rank, held.layout, held.device) == (
+        Role.FFN,
+        0,
+        layout,
+        torch.device("cpu"),
+    )
+    assert not hasattr(held, "attention_endpoint")  # the base makes none: a subclass does
+    with pytest.raises(TopologyError, match="ffn rank 1"):
+        RankConnection(layout, Role.FFN, 1, torch.device("cpu"))

@@ -38,11 +38,14 @@ from afd_protocol import AttentionEndpoint, DispatchHandle, SharedPlacement
 
 @dataclass
 class AttentionRunStats:
-    """What the last forward did at the MoE layers."""
+    """What the last forward did at the MoE layers, as the engine running the model sees
+    it: counts and host time. (A per-layer time breakdown on the device's timeline is the
+    caller's to measure, by wrapping the endpoint: ``afd run`` does.)"""
 
     dispatches: int = 0
     combine_wait_s: float = 0.0
-    """Time spent inside ``combine`` (waiting for the FFN ranks, then the weighted sum)."""
+    """Host seconds spent inside ``combine`` (waiting for the FFN ranks, then the weighted
+    sum): how long this rank could not go on."""
     max_in_flight: int = 0
     stages: int = 0
     layers: list[int] = field(default_factory=list)

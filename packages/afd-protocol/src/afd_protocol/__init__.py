@@ -10,7 +10,8 @@ transport can build on it. This namespace is the contract core (:mod:`afd_protoc
 * :func:`plan_dispatch` / :func:`plan_on_device` / :func:`combine_scatter` /
   :func:`combine` -- routing partials to FFN ranks with one stable sort, and the fp32
   weighted combine of their replies.
-* :class:`AttentionEndpoint`, :class:`FFNEndpoint`, :class:`Connection`,
+* :class:`AttentionEndpoint`, :class:`FFNEndpoint`, :class:`Connection` (and
+  :class:`RankConnection`, a base holding a rank's identity),
   :class:`EndpointOptions` -- the protocols every backend implements; :class:`WorkItem`
   -- what an FFN rank serves; :func:`serve` -- the one FFN serving loop;
   :func:`freeze_heap` -- keep the garbage collector's full passes off the serving path.
@@ -38,6 +39,7 @@ from afd_protocol.core.endpoints import (
     DispatchHandle,
     EndpointOptions,
     FFNEndpoint,
+    RankConnection,
     check_dispatch_inputs,
 )
 from afd_protocol.core.errors import (
@@ -172,6 +174,7 @@ __all__ = [
     "PeerRecord",
     "PeerTimeout",
     "ProtocolError",
+    "RankConnection",
     "Rendezvous",
     "RingExhausted",
     "Role",

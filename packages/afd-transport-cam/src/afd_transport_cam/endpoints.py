@@ -45,6 +45,7 @@ from afd_protocol import (
     ConnectorShutdown,
     EndpointOptions,
     InvalidArgument,
+    RankConnection,
     RingExhausted,
     Role,
     SharedPlacement,
@@ -395,7 +396,7 @@ class CamLink(Protocol):
     def close(self) -> None: ...
 
 
-class CamConnection:
+class CamConnection(RankConnection):
     """One rank's link to an emulated (or real) CAM communicator; makes its endpoint."""
 
     def __init__(
@@ -410,31 +411,12 @@ class CamConnection:
         operators: CamOperators = EMULATED,
         device: torch.device | None = None,
     ) -> None:
-        self._layout = layout
-        self._role = Role(role)
-        self._rank = rank
+        super().__init__(layout, role, rank, device or torch.device(operators.device_type))
         self._group = group_name
         self._geo = cam_geometry(layout, dynamic_quant)
         self._link = link
         self._ops = operators
-        self._device = device or torch.device(operators.device_type)
         self._closed = False
-
-    @property
-    def role(self) -> Role:
-        return self._role
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def layout(self) -> SlotLayout:
-        return self._layout
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     @property
     def geometry(self) -> CamGeometry:

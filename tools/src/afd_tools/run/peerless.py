@@ -20,13 +20,13 @@ from afd_protocol import (
     AttentionEndpoint,
     EndpointOptions,
     InvalidArgument,
+    RankConnection,
     Role,
-    SlotLayout,
     WindowLayout,
 )
 
 
-class PeerlessConnection:
+class PeerlessConnection(RankConnection):
     """An attention rank's :class:`~afd_protocol.Connection` without FFN peers: rank
     ``rank`` of the window's slot layout, with its tensors on ``device``."""
 
@@ -37,25 +37,7 @@ class PeerlessConnection:
     """Why :meth:`ffn_endpoint` refuses."""
 
     def __init__(self, window: WindowLayout, rank: int, device: torch.device) -> None:
-        self._layout = window.slot
-        self._rank = rank
-        self._device = device
-
-    @property
-    def role(self) -> Role:
-        return Role.ATTENTION
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def layout(self) -> SlotLayout:
-        return self._layout
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
+        super().__init__(window.slot, Role.ATTENTION, rank, device)
 
     def attention_endpoint(self, options: EndpointOptions | None = None) -> AttentionEndpoint:
         """This rank's endpoint, where a subclass makes one (here: ``InvalidArgument``)."""

@@ -129,11 +129,11 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
     disp_rows, disp_t = [], []
     pairs = [(rp, m.breakdown) for rp in replays for m in rp.measured]
     for rp, b in pairs:
-        recs = [r for r in rp.sim.replicas if r.dispatches]
+        recs = [r for r in rp.sim.replicas if r.totals.layers]
         if b.compute_ms_per_layer is not None and recs:
             row = [0.0, 0.0, 0.0]
             for r in recs:
-                s = r.attention.stretch / r.dispatches / len(recs)
+                s = r.attention.stretch / r.totals.layers / len(recs)
                 row[0] += s * r.attention.tokens
                 row[1] += s * r.attention.square
                 row[2] += s * r.attention.count
@@ -142,7 +142,7 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
         if b.dispatch_ms_per_layer is not None and recs:
             row = [0.0, 0.0]
             for r in recs:
-                s = r.dispatch.stretch / r.dispatches / len(recs)
+                s = r.dispatch.stretch / r.totals.layers / len(recs)
                 row[0] += s * r.dispatch.count
                 row[1] += s * r.dispatch.square  # bytes
             disp_rows.append(row)

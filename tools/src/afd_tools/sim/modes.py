@@ -97,26 +97,16 @@ class ReplicaRecord(ReplicaTimes):
     :func:`~afd_tools.prefill.metrics.summarize` and the timeline plot read), the sums
     behind its per-layer times, and the cost model's inputs."""
 
-    dispatch_s: float = 0.0
-    combine_s: float = 0.0
-    step_s: float = 0.0
-    barrier_s: float = 0.0
-    dispatches: int = 0
+    totals: LayerTimes = field(default_factory=LayerTimes)
+    """The sums behind the per-layer times, the type ``afd run``'s ranks sum into
+    (``layers`` counts the MoE layers dispatched)."""
     attention: Features = field(default_factory=Features)
     dispatch: Features = field(default_factory=Features)
 
     def finish(self) -> None:
-        """Fill :attr:`layer_times` as ``afd run`` does (by
-        :meth:`afd_tools.prefill.layer_times.LayerTimes.as_dict`)."""
-        if self.dispatches:
-            times = LayerTimes(
-                dispatch_s=self.dispatch_s,
-                combine_s=self.combine_s,
-                step_s=self.step_s,
-                barrier_s=self.barrier_s,
-                layers=self.dispatches,
-            )
-            self.layer_times = times.as_dict()
+        """Fill :attr:`layer_times` as ``afd run`` does (:meth:`LayerTimes.as_dict`)."""
+        if self.totals.layers:
+            self.layer_times = self.totals.as_dict()
 
 
 @dataclass
@@ -294,7 +284,7 @@ class Simulation:
             else:
                 waited = yield from self._afd_step(r, rec, pieces, lockstep)
             end = engine.now
-            rec.step_s += end - start
+            rec.totals.step_s += end - start
             rec.busy_s += end - start - waited
             rec.wait_s += waited
             rec.batches.append((start, end, sum(c.end - c.begin for c in chunks)))
@@ -341,13 +331,13 @@ class Simulation:
                 if lockstep:  # sync: the barrier, then the dispatch
                     t0 = engine.now
                     yield (WAIT, self._barrier.arrive(r))
-                    rec.barrier_s += engine.now - t0
+                    rec.totals.barrier_s += engine.now - t0
                     waited += engine.now - t0
                     send = costs.dispatch_s(tokens)
                     t0 = engine.now
                     yield (self.comm, send, 1)
                     self._account(rec, t0, 0.0, 0.0, send, tokens, square)
-                rec.dispatches += 1
+                rec.totals.layers += 1
                 item = _Item(r, layer, tokens)
                 engine.at(engine.now + notify, self._deliver, item)
                 pending[i] = item
@@ -357,7 +347,7 @@ class Simulation:
                 waited += yield from self._await_reply(rec, item)
                 t0 = engine.now
                 yield (self.comm, costs.combine_s(tokens), 1)
-                rec.combine_s += engine.now - t0
+                rec.totals.combine_s += engine.now - t0
                 waited += engine.now - t0
         return waited
 
@@ -367,7 +357,7 @@ class Simulation:
         t0 = engine.now
         if item.done_at is None or item.done_at > t0:
             yield (WAIT, item.waiter(engine))
-        rec.combine_s += engine.now - t0
+        rec.totals.combine_s += engine.now - t0
         return engine.now - t0
 
     def _account(
@@ -385,11 +375,11 @@ class Simulation:
         elapsed = self.engine.now - t0
         total = combine + work + send
         stretch = elapsed / total if total > 0 else 1.0
-        rec.combine_s += combine * stretch
+        rec.totals.combine_s += combine * stretch
         if work:
             rec.attention.add(tokens, square, work, work * stretch)
         if send:
-            rec.dispatch_s += send * stretch
+            rec.totals.dispatch_s += send * stretch
             rec.dispatch.add(tokens, self.costs.dispatch_bytes(tokens), send, send * stretch)
         return combine * stretch
 
@@ -419,8 +409,8 @@ class Simulation:
             yield (WAIT, self._barrier.arrive(r))
             yield (self.comm, costs.collective_s(padded, self.world, 4), 1)  # fp32 partials
             elapsed = engine.now - t0
-            rec.dispatch_s += elapsed
-            rec.dispatches += 1
+            rec.totals.dispatch_s += elapsed
+            rec.totals.layers += 1
             waited += elapsed
         return waited
 

@@ -292,11 +292,45 @@ class Connection(Protocol):
         """Release everything this connection holds (idempotent)."""
 
 
+class RankConnection:
+    """What every :class:`Connection` reports, held: the base of connections that store
+    their rank's identity rather than read it from a transport (CAM's operators, a rank
+    with no peers). A subclass makes the endpoints and releases what it opened."""
+
+    def __init__(
+        self, layout: SlotLayout, role: Role | str, rank: int, device: torch.device
+    ) -> None:
+        self._layout = layout
+        self._role = Role(role)
+        layout.topology.world_rank(self._role, rank)  # validates the rank
+        self._rank = rank
+        self._device = device
+
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def layout(self) -> SlotLayout:
+        """The deployment's geometry: topology, hidden size, capacities, dtype, top-k."""
+        return self._layout
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's tensors must live."""
+        return self._device
+
+
 __all__ = [
     "AttentionEndpoint",
     "Connection",
     "DispatchHandle",
     "EndpointOptions",
     "FFNEndpoint",
+    "RankConnection",
     "check_dispatch_inputs",
 ]
