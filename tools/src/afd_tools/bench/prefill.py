@@ -11,7 +11,7 @@ ratios async/sync and async/colocated, with every output verified. The workloads
 * ``long`` -- prompts of 8K to 32K tokens, where V3-shaped attention outweighs the FFN;
 * ``balanced`` -- prompts near the length where a layer's attention and FFN times are
   about equal on one H200 (V3 shapes about 12K tokens, V2-Lite about 24K; from the
-  per-layer table of ``../shared/design/ARCHITECTURE.md``), where AFD can at best tie
+  per-layer table of ``docs/design-notes.md``), where AFD can at best tie
   colocated serving on equal GPUs.
 
 ``--quick`` sizes keep the GPU suite short; the full size is the default. The table is

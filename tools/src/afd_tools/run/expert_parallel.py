@@ -8,7 +8,7 @@ computes the rows routed to its own experts, weights and sums them per token in 
 and a reduce_scatter returns to each rank the sum over all ranks for its own tokens. On
 two H200s this was the faster of the two exchanges vLLM offers (0.09 / 0.20 / 0.35 /
 0.62 ms per layer at 1K / 4K / 8K / 16K tokens per rank, against 0.37 / 0.57 / 0.87 /
-1.40 ms for an all_to_all with host-read counts; ``../shared/research/perf-anchors.md``).
+1.40 ms for an all_to_all with host-read counts; ``docs/design-notes.md``).
 
 Collectives need equal sizes, so every rank pads its tokens to the step's largest batch,
 which the ranks agree on once per step (:meth:`ExpertParallelEndpoint.begin_step`), not per
