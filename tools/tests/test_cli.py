@@ -246,10 +246,13 @@ def test_bench_prefill_runs_every_mode_verified_and_replaces_the_docs_table(
     assert main(argv) == 0
     text = docs.read_text()
     assert "old table" not in text
-    assert text.startswith("# head\n<!-- afd bench prefill -->\n| preset | workload | mode |")
+    assert text.startswith(
+        "# head\n<!-- afd bench prefill -->\n| preset | workload | A:F | SM shares % | "
+        "arrivals | mode |"
+    )
     assert text.endswith("<!-- /afd bench prefill -->\nafter\n")
     rows = [line for line in text.splitlines() if line.startswith("| tiny | uniform |")]
-    assert [row.split(" | ")[2] for row in rows] == ["async", "sync", "colocated"]
+    assert [row.split(" | ")[5] for row in rows] == ["async N=2", "sync", "colocated"]
     assert all(re.search(r"\| yes \(\d\.\de-\d\d\) \|$", row) for row in rows), rows
     runs = json.loads(report.read_text())["runs"]
     assert runs[0]["exit_code"] == 0
@@ -260,7 +263,7 @@ def test_bench_prefill_runs_every_mode_verified_and_replaces_the_docs_table(
 def test_bench_prefill_uniform_has_the_uneven_total_and_refuses_docs_without_markers(
     tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from afd_tools.bench.prefill import QUICK, workload_lengths
+    from afd_tools.bench.prefill_matrix import QUICK, workload_lengths
     from afd_tools.prefill.workload import prompt_lengths
 
     uniform = workload_lengths("uniform", "v2-lite", QUICK, 3)

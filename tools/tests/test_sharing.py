@@ -527,7 +527,7 @@ def test_colocated_mono_runs_every_request_in_one_process_and_verifies(
 
 # afd bench prefill -----------------------------------------------------------------------
 def test_bench_prefill_passes_the_mps_options_to_every_afd_run(tmp_path: Path) -> None:
-    from afd_tools.bench.prefill import QUICK, point_job
+    from afd_tools.bench.prefill_matrix import QUICK, point_job
     from afd_tools.cli import build_parser
 
     parser = build_parser()
@@ -555,7 +555,7 @@ def test_bench_prefill_passes_the_mps_options_to_every_afd_run(tmp_path: Path) -
 
 
 def test_a_run_arg_wins_over_the_benchmarks_own_setting(tmp_path: Path) -> None:
-    from afd_tools.bench.prefill import QUICK, point_job
+    from afd_tools.bench.prefill_matrix import QUICK, point_job
     from afd_tools.cli import build_parser
 
     bench = build_parser().parse_args(["bench", "prefill", "--run-arg=--stages=3"])
@@ -566,7 +566,8 @@ def test_a_run_arg_wins_over_the_benchmarks_own_setting(tmp_path: Path) -> None:
 
 
 def _bench_run(placement: dict[str, Any] | None) -> Any:
-    from afd_tools.bench.prefill import BenchRun
+    from afd_tools.bench.prefill_matrix import Point
+    from afd_tools.bench.prefill_table import BenchRun
     from afd_tools.prefill.run_report import RunReport
     from afd_tools.run.job import RunJob
 
@@ -574,11 +575,12 @@ def _bench_run(placement: dict[str, Any] | None) -> Any:
     if placement is not None:
         deployment = RunJob(dtype="float32", backend="reference", transport="shm", colocated="dp")
         report = RunReport(deployment.deployment("cpu"), (), {}, placement=placement)
-    return BenchRun("tiny", "uneven", "afd run", 0 if report else 1, 1.0, report)
+    point = Point("tiny", "uneven", 1, 1, None, None, 2, ("async", "sync", "colocated"))
+    return BenchRun(point, "afd run", 0 if report else 1, 1.0, report)
 
 
 def test_bench_prefill_says_under_its_table_where_the_ranks_ran() -> None:
-    from afd_tools.bench.prefill import placement_notes
+    from afd_tools.bench.prefill_table import placement_notes
 
     one_gpu = {
         "kind": "cuda",

@@ -65,14 +65,29 @@ class ModeSummary:
     """Per MoE layer, mean over the attention ranks (ms): compute, dispatch, combine,
     barrier; and the FFN ranks' mean expert time per work item (ms) and items served in
     this mode."""
+    ttft_s: list[float] = field(default_factory=list)
+    """Every request's time to first token (seconds from its arrival to the end of its
+    prefill), in request order; empty in reports written before it was recorded."""
+
+    def goodput(self, ttft_slo_s: float) -> float | None:
+        """Requests per second of the mode's makespan whose TTFT met ``ttft_slo_s`` (the
+        goodput under that SLO); ``None`` where the report has no per-request TTFT."""
+        if not self.ttft_s:
+            return None
+        met = sum(1 for t in self.ttft_s if t <= ttft_slo_s)
+        return met / self.makespan_s
 
     def as_dict(self) -> dict[str, Any]:
         """This summary as JSON data (:meth:`to_json`)."""
         return self.to_json()
 
     def to_json(self) -> dict[str, Any]:
-        """This summary as the report's ``modes`` object holds it."""
-        return {**self.__dict__, "breakdown": self.breakdown.to_json()}
+        """This summary as the report's ``modes`` object holds it (without ``ttft_s`` where
+        it is empty, as reports were written before it was recorded)."""
+        out = {**self.__dict__, "breakdown": self.breakdown.to_json()}
+        if not self.ttft_s:
+            del out["ttft_s"]
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, where: str, name: str = "mode") -> ModeSummary:
@@ -125,6 +140,7 @@ def summarize(
         ffn_busy=ffn_busy,
         dummy_batches=sum(r.dummy_batches for r in replica_results),
         breakdown=breakdown,
+        ttft_s=ttft,
     )
 
 

@@ -1,0 +1,273 @@
+"""The runs of ``afd bench prefill``: presets x workloads x A:F layouts x SM splits x
+arrival rates, and the async stage counts within each.
+
+Every (preset, workload, layout, split, rate) is one :class:`Point` group: a run of every
+mode (async at the first ``--stages``, sync, colocated), then one async-only run per further
+``--stages``, so every async variant is compared with the sync and colocated runs of its own
+group. The sizes are :data:`QUICK` (the GPU suite's) and :data:`FULL`.
+
+A :class:`~afd_tools.run.job.RunJob` is built per run from this benchmark's settings with
+``--run-arg`` options over them: a ``--run-arg`` wins over a default of the benchmark, and
+setting with ``--run-arg`` what the benchmark sweeps (``--layout``, ``--stages``,
+``--attention-share``, ``--rate``) is refused, so the table never labels a run with values
+it did not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from afd_tools.prefill.workload import WorkloadError, prompt_lengths
+from afd_tools.run.command import add_run_options, job_from_args
+from afd_tools.run.job import MODES, RunJob, option
+
+WORKLOADS = ("uneven", "uniform", "long", "balanced")
+BALANCED_LENGTH = {"v3-slice": 12288, "v2-lite": 24576, "v3-mini": 4096, "tiny": 128}
+"""Prompt length per preset at which one layer's attention time is about its FFN time."""
+
+
+@dataclass(frozen=True)
+class Size:
+    requests: int
+    max_prompt_len: int
+    budget: int
+    """``--max-num-batched-tokens``."""
+    layers: dict[str, int]
+    long_range: tuple[int, int]
+
+
+QUICK = Size(12, 4096, 8192, {"v2-lite": 4, "v3-slice": 2}, (8192, 16384))
+FULL = Size(48, 16384, 16384, {"v2-lite": 27, "v3-slice": 4}, (8192, 32768))
+
+SWEPT = {
+    "attention_ranks": "--layout",
+    "ffn_ranks": "--layout",
+    "stages": "--stages",
+    "mps_attention_share": "--attention-share",
+    "rate": "--rate",
+}
+"""The job fields this benchmark sweeps, and its option that sets each."""
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """``"A:F"`` -> ``(A, F)``; an ``argparse`` type (its error names the option)."""
+    parts = text.split(":")
+    try:
+        a, f = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
+    except ValueError:
+        a = f = 0
+    if a < 1 or f < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not A:F (attention replicas : FFN ranks, each >= 1), e.g. 2:1"
+        )
+    return a, f
+
+
+def parse_rate(text: str) -> float:
+    """A Poisson arrival rate in requests per second (> 0, finite)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not (math.isfinite(rate) and rate > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate is requests per second, > 0")
+    return rate
+
+
+def parse_share(text: str) -> int:
+    """A CUDA MPS share in percent of a GPU's SMs (1..99: the FFN ranks need the rest)."""
+    try:
+        share = int(text)
+    except ValueError:
+        share = 0
+    if not 1 <= share <= 99:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: an attention rank's share is a whole percent from 1 to 99"
+        )
+    return share
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of the benchmark; :attr:`group` is what the runs it is compared with share."""
+
+    preset: str
+    workload: str
+    attention_ranks: int
+    ffn_ranks: int
+    attention_share: int | None
+    """Each attention rank's MPS share (``None``: ``afd run``'s split)."""
+    rate: float | None
+    """Poisson arrivals per second (``None``: every request at once)."""
+    stages: int
+    """Async mode's stages."""
+    modes: tuple[str, ...]
+
+    @property
+    def group(self) -> tuple[str, str, int, int, int | None, float | None]:
+        return (
+            self.preset,
+            self.workload,
+            self.attention_ranks,
+            self.ffn_ranks,
+            self.attention_share,
+            self.rate,
+        )
+
+    @property
+    def layout(self) -> str:
+        return f"{self.attention_ranks}A{self.ffn_ranks}F"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "modes": list(self.modes)}
+
+
+def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[int] | None:
+    """Prompt lengths for a workload file, or None for ``uneven`` (afd run's own preset)."""
+    rng = random.Random(seed)
+    n = size.requests
+    if workload == "uneven":
+        return None
+    if workload == "uniform":
+        total = sum(prompt_lengths("uneven", n, seed, size.max_prompt_len))
+        base, extra = divmod(total, n)
+        return [base + (i < extra) for i in range(n)]
+    if workload == "long":
+        low, high = size.long_range
+        return [rng.randint(low, high) for _ in range(n)]
+    center = BALANCED_LENGTH.get(preset, size.max_prompt_len)
+    return [int(center * rng.uniform(0.9, 1.1)) for _ in range(n)]
+
+
+def _job(defaults: dict[str, Any], run_args: list[str]) -> RunJob:
+    parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
+    add_run_options(parser)
+    parser.set_defaults(**defaults)
+    return job_from_args(parser.parse_args(run_args))
+
+
+def point_job(
+    args: argparse.Namespace, preset: str, workload: str, size: Size, folder: Path
+) -> RunJob:
+    """The ``afd run`` job of one (preset, workload) at the benchmark's first layout and
+    stage count: this benchmark's settings, then the ``--run-arg`` options over them (a
+    ``--run-arg`` wins). A workload other than ``uneven`` is written as a JSONL file into
+    ``folder``."""
+    attention, ffn = args.layout[0] if args.layout else (1, 1)
+    defaults: dict[str, Any] = {
+        "preset": preset,
+        "attention_ranks": attention,
+        "ffn_ranks": ffn,
+        "stages": args.stages[0] if args.stages else 2,
+        "max_num_batched_tokens": size.budget,
+        "seed": args.seed,
+        "no_progress": True,
+    }
+    if preset in size.layers:
+        defaults["layers"] = size.layers[preset]
+    lengths = workload_lengths(workload, preset, size, args.seed)
+    if lengths is None:
+        defaults |= {
+            "workload": "uneven",
+            "requests": size.requests,
+            "max_prompt_len": size.max_prompt_len,
+        }
+    else:
+        path = folder / f"{preset}-{workload}.jsonl"
+        path.write_text("".join(json.dumps({"prompt_len": n}) + "\n" for n in lengths))
+        defaults["workload_file"] = path
+    return _job(defaults, args.run_arg)
+
+
+def check_sweeps(args: argparse.Namespace, base: RunJob) -> None:
+    """Refuse a ``--run-arg`` that sets what a given sweep option varies (or ``--mode``
+    with several ``--stages``), naming both, and ``--attention-share`` where no GPU is
+    shared."""
+    if args.attention_share is not None and not base.share_gpus:
+        raise WorkloadError(
+            "--attention-share sets CUDA MPS shares of ranks sharing a GPU: add "
+            "--run-arg=--device=cuda --run-arg=--share-gpus"
+        )
+    given = {
+        "--layout": args.layout is not None,
+        "--stages": args.stages is not None,
+        "--attention-share": args.attention_share is not None,
+        "--rate": args.rate is not None,
+    }
+    set_here = run_arg_fields(args.run_arg)
+    for name, flag in SWEPT.items():
+        if given[flag] and name in set_here:
+            raise WorkloadError(
+                f"{flag} sweeps what --run-arg={option(name)} sets: give it one way"
+            )
+    if args.stages is not None and len(args.stages) > 1 and "mode" in set_here:
+        raise WorkloadError(
+            "several --stages run every mode at the first and async alone at the others: "
+            "drop --run-arg=--mode"
+        )
+
+
+def run_arg_fields(run_args: list[str]) -> set[str]:
+    """The ``afd run`` options (by field name) that ``run_args`` set, whatever the value."""
+    unset = object()
+    parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
+    add_run_options(parser)
+    names = [*SWEPT, "mode"]
+    parser.set_defaults(**dict.fromkeys(names, unset))
+    parsed = vars(parser.parse_args(run_args))
+    return {name for name in names if parsed[name] is not unset}
+
+
+def expand(args: argparse.Namespace, base: RunJob, preset: str, workload: str) -> list[Point]:
+    """Every run of one (preset, workload), in the order they run: per layout, split and
+    rate, every mode at the first stage count, then async at each further one."""
+    layouts = args.layout or [(base.attention_ranks, base.ffn_ranks)]
+    shares = args.attention_share or [base.mps_attention_share]
+    rates = args.rate or [base.rate]
+    stages = args.stages or [base.stages]
+    points = []
+    for attention, ffn in dict.fromkeys(layouts):
+        for share in dict.fromkeys(shares):
+            for rate in dict.fromkeys(rates):
+                for i, n in enumerate(dict.fromkeys(stages)):
+                    modes = base.modes if i == 0 else ("async",)
+                    points.append(Point(preset, workload, attention, ffn, share, rate, n, modes))
+    return points
+
+
+def job_of(base: RunJob, point: Point) -> RunJob:
+    """``base`` at ``point``'s layout, split, rate, stages and modes."""
+    return dataclasses.replace(
+        base,
+        attention_ranks=point.attention_ranks,
+        ffn_ranks=point.ffn_ranks,
+        mps_attention_share=point.attention_share,
+        rate=point.rate,
+        stages=point.stages,
+        modes=point.modes,
+    )
+
+
+__all__ = [
+    "FULL",
+    "MODES",
+    "QUICK",
+    "WORKLOADS",
+    "Point",
+    "Size",
+    "check_sweeps",
+    "expand",
+    "job_of",
+    "parse_layout",
+    "parse_rate",
+    "parse_share",
+    "point_job",
+    "workload_lengths",
+]

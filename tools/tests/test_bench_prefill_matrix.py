@@ -1,0 +1,332 @@
+"""``afd bench prefill``'s sweeps: which runs a matrix makes and in what order, what it
+refuses before running anything, and a table whose ratios, goodput and best-split notes
+follow from the reports (checked against numbers computed here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from afd_tools.bench.prefill_matrix import (
+    FULL,
+    QUICK,
+    Point,
+    check_sweeps,
+    expand,
+    job_of,
+    point_job,
+)
+from afd_tools.bench.prefill_table import BenchRun, best_split_notes, markdown_table
+from afd_tools.cli import build_parser, main
+from afd_tools.prefill.layer_times import LayerBreakdown
+from afd_tools.prefill.metrics import ModeSummary
+from afd_tools.prefill.run_report import RunReport
+from afd_tools.prefill.workload import WorkloadError
+from afd_tools.run.job import MODES, RunJob
+
+
+def _args(*argv: str) -> Any:
+    return build_parser().parse_args(["bench", "prefill", *argv])
+
+
+def test_a_matrix_runs_every_mode_once_per_group_and_async_alone_at_the_other_stages(
+    tmp_path: Path,
+) -> None:
+    args = _args(
+        "--layout", "1:1", "--layout", "2:1", "--stages", "1", "--stages", "4",
+        "--rate", "5", "--rate", "20",
+    )  # fmt: skip
+    base = point_job(args, "tiny", "uneven", QUICK, tmp_path)
+    check_sweeps(args, base)
+    points = expand(args, base, "tiny", "uneven")
+    seen = [(p.attention_ranks, p.ffn_ranks, p.rate, p.stages, p.modes) for p in points]
+    assert seen == [
+        (a, f, rate, stages, MODES if stages == 1 else ("async",))
+        for a, f in [(1, 1), (2, 1)]
+        for rate in (5.0, 20.0)
+        for stages in (1, 4)
+    ]
+    job = job_of(base, points[-1])
+    assert (job.attention_ranks, job.ffn_ranks, job.rate, job.stages, job.modes) == (
+        2,
+        1,
+        20.0,
+        4,
+        ("async",),
+    )
+    line = job.command_line()
+    assert "--mode async" in line
+    assert "--stages 4" in line
+    assert "--rate 20.0" in line
+    # Without sweep options: one run, at the benchmark's defaults (1:1, 2 stages).
+    plain = _args()
+    only = expand(plain, point_job(plain, "tiny", "uneven", QUICK, tmp_path), "tiny", "uneven")
+    assert [(p.attention_ranks, p.ffn_ranks, p.stages, p.modes) for p in only] == [(1, 1, 2, MODES)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--layout", "2:1", "--run-arg=--attention-ranks=3"],
+            "--layout sweeps what --run-arg=--attention-ranks sets: give it one way",
+        ),
+        (
+            ["--stages", "2", "--run-arg=--stages=1"],
+            "--stages sweeps what --run-arg=--stages sets: give it one way",
+        ),
+        (
+            ["--rate", "4", "--run-arg=--rate=8"],
+            "--rate sweeps what --run-arg=--rate sets: give it one way",
+        ),
+        (
+            ["--stages", "1", "--stages", "2", "--run-arg=--mode=sync"],
+            "several --stages run every mode at the first and async alone at the others: "
+            "drop --run-arg=--mode",
+        ),
+        (
+            ["--attention-share", "25"],
+            "--attention-share sets CUDA MPS shares of ranks sharing a GPU: add "
+            "--run-arg=--device=cuda --run-arg=--share-gpus",
+        ),
+        (
+            [
+                "--attention-share",
+                "25",
+                "--run-arg=--device=cuda",
+                "--run-arg=--share-gpus",
+                "--run-arg=--mps-attention-share=30",
+            ],
+            "--attention-share sweeps what --run-arg=--mps-attention-share sets: give it one way",
+        ),
+    ],
+)
+def test_a_sweep_that_a_run_arg_contradicts_is_refused_before_anything_runs(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "prefill", "--quick", "--preset", "tiny", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"afd bench prefill: error: {message}"
+    assert "[1/" not in captured.out  # nothing ran
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layout", "2"], "'2' is not A:F (attention replicas : FFN ranks, each >= 1), e.g. 2:1"),
+        (["--layout", "0:1"], "'0:1' is not A:F"),
+        (["--rate", "0"], "'0': a rate is requests per second, > 0"),
+        (["--rate", "nan"], "'nan': a rate is requests per second, > 0"),
+        (["--attention-share", "100"], "'100': an attention rank's share is a whole percent"),
+    ],
+)
+def test_a_malformed_sweep_value_names_the_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "prefill", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}: " in err
+    assert message in err
+
+
+def test_a_run_arg_still_sets_what_no_sweep_option_gives(tmp_path: Path) -> None:
+    args = _args("--run-arg=--stages=3", "--run-arg=--attention-ranks=2")
+    base = point_job(args, "tiny", "uneven", QUICK, tmp_path)
+    check_sweeps(args, base)
+    (point,) = expand(args, base, "tiny", "uneven")
+    assert (point.attention_ranks, point.stages) == (2, 3)  # labelled as it ran
+
+
+# ---- the table, from reports made here -----------------------------------------------
+
+
+def _summary(mode: str, tokens_per_s: float, p99: float, ttft: list[float]) -> ModeSummary:
+    makespan = 100.0 / tokens_per_s
+    return ModeSummary(
+        mode=mode,
+        makespan_s=makespan,
+        tokens_per_s=tokens_per_s,
+        ttft_p50=min(ttft, default=0.0),
+        ttft_p90=p99,
+        ttft_p99=p99,
+        attention_busy=[0.5],
+        attention_wait=[0.5],
+        ffn_busy=[0.5],
+        dummy_batches=0,
+        breakdown=LayerBreakdown(compute_ms_per_layer=1.0, barrier_ms_per_layer=0.25),
+        ttft_s=ttft,
+    )
+
+
+def _run(point: Point, modes: dict[str, ModeSummary], shares: dict[str, int]) -> BenchRun:
+    deployment = RunJob(dtype="float32", backend="reference", transport="shm", colocated="dp")
+    worst = {m: {"request": 0, "relative_error": 1e-6} for m in modes}
+    report = RunReport(
+        deployment.deployment("cpu"),
+        (),
+        modes,
+        placement={"kind": "cuda", "mps_shares": shares},
+        verification={"verification_failures": {}, "verification_worst": worst},
+    )
+    return BenchRun(point, "afd run", 0, 1.0, report)
+
+
+def _point(share: int | None, stages: int, modes: tuple[str, ...]) -> Point:
+    return Point("v2-lite", "uneven", 2, 1, share, None, stages, modes)
+
+
+def test_each_row_is_compared_with_the_sync_run_of_its_own_group() -> None:
+    shares = {"attention rank 0": 25, "attention rank 1": 25, "ffn rank 0": 50}
+    runs = [
+        _run(
+            _point(25, 1, MODES),
+            {
+                "async": _summary("async", 300.0, 1.0, [0.5, 1.0, 3.0]),
+                "sync": _summary("sync", 200.0, 2.0, [1.0, 2.0, 2.5]),
+                "colocated": _summary("colocated", 400.0, 0.5, [0.25, 0.5]),
+            },
+            shares,
+        ),
+        _run(_point(25, 2, ("async",)), {"async": _summary("async", 500.0, 1.5, [1.0])}, shares),
+        # Another split: its own sync, so its async is not held against the first one's.
+        _run(
+            _point(30, 1, MODES),
+            {
+                "async": _summary("async", 240.0, 3.0, [3.0]),
+                "sync": _summary("sync", 120.0, 4.0, [4.0]),
+            },
+            {"attention rank 0": 30, "attention rank 1": 30, "ffn rank 0": 40},
+        ),
+        BenchRun(_point(None, 1, MODES), "afd run --broken", 2, 0.5, None),
+    ]
+    table = markdown_table(runs, ttft_slo_s=2.0)
+    lines = table.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:] if "|" in line]
+    assert all(len(row) == len(header) for row in rows), rows
+    by = {(row[3], row[5]): dict(zip(header, row, strict=True)) for row in rows}
+    first = by[("A 25 / F 50", "async N=1")]
+    assert first["tokens/s vs sync"] == f"{300 / 200:.2f}x"
+    assert first["TTFT p99 vs sync"] == f"{1.0 / 2.0:.2f}x"
+    # goodput: requests with TTFT <= 2 s per second of the makespan (100 tokens / 300 per s)
+    assert first["goodput at TTFT <= 2 s, req/s"] == f"{2 / (100 / 300):.2f}"
+    assert first["per layer: compute / dispatch / combine / barrier ms"] == "1.00 / - / - / 0.25"
+    assert by[("A 25 / F 50", "async N=2")]["tokens/s vs sync"] == f"{500 / 200:.2f}x"
+    assert by[("A 25 / F 50", "sync")]["tokens/s vs sync"] == "-"
+    assert by[("A 25 / F 50", "colocated")]["tokens/s vs sync"] == f"{400 / 200:.2f}x"
+    assert by[("A 30 / F 40", "async N=1")]["tokens/s vs sync"] == f"{240 / 120:.2f}x"
+    failed = by[("-", "-")]
+    assert failed["tokens/s"] == "failed (exit 2)"
+    assert failed["verified (worst error)"] == "no"
+    assert best_split_notes(runs) == [
+        "Best SM split, v2-lite uneven 2A1F all at once: async N=2 at A 25 / F 50 "
+        "(500 tokens/s); sync at A 25 / F 50 (200 tokens/s)."
+    ]
+    assert best_split_notes(runs) == [line for line in lines if line.startswith("Best SM")]
+    assert "goodput" not in markdown_table(runs)  # no SLO stated, no column
+
+
+def test_a_mode_summary_counts_goodput_against_the_slo() -> None:
+    summary = _summary("async", 50.0, 1.0, [0.5, 1.0, 1.0001, 7.0])  # makespan 2 s
+    assert summary.goodput(1.0) == 2 / 2.0
+    assert summary.goodput(10.0) == 4 / 2.0
+    assert _summary("sync", 50.0, 1.0, []).goodput(1.0) is None  # an older report
+
+
+@pytest.mark.timeout(600)
+def test_a_small_matrix_runs_on_cpu_every_output_verified(tmp_path: Path) -> None:
+    report = tmp_path / "matrix.json"
+    argv = [
+        "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
+        "--layout", "2:1", "--stages", "1", "--stages", "2", "--rate", "40",
+        "--ttft-slo", "5", "--run-arg=--device=cpu", "--json", str(report),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(report.read_text())
+    assert data["ttft_slo_s"] == 5.0
+    runs = data["runs"]
+    assert [(r["stages"], r["modes"], r["rate"]) for r in runs] == [
+        (1, list(MODES), 40.0),
+        (2, ["async"], 40.0),
+    ]
+    for run in runs:
+        assert run["exit_code"] == 0
+        assert run["report"]["verification_failures"] == {}
+        assert run["report"]["deployment"]["attention_ranks"] == 2
+        for mode in run["modes"]:
+            ttft = run["report"]["modes"][mode]["ttft_s"]
+            assert len(ttft) == QUICK.requests
+            assert all(t > 0 for t in ttft)
+    assert "--mode async" in runs[1]["command"]
+    assert "--stages 2" in runs[1]["command"]
+
+
+def test_check_sweeps_is_what_refuses(tmp_path: Path) -> None:
+    args = _args("--stages", "2", "--run-arg=--stages=2")  # same value: still two ways
+    with pytest.raises(WorkloadError, match="--stages sweeps what --run-arg=--stages sets"):
+        check_sweeps(args, point_job(args, "tiny", "uneven", QUICK, tmp_path))
+
+
+# ---- tools/gpu/main-job: the GPU script's matrix is one this benchmark accepts ----------
+
+MAIN_JOB = Path(__file__).resolve().parents[1] / "gpu" / "main-job"
+
+
+def _main_job_calls() -> list[list[str]]:
+    """Every ``bench NAME ARGS...`` call of the script, its arrays expanded, as argv."""
+    import re
+    import shlex
+
+    text = MAIN_JOB.read_text().replace("\\\n", " ")
+    arrays = {
+        name: shlex.split(body) for name, body in re.findall(r"^\s*(\w+)=\((.*)\)$", text, re.M)
+    }
+    calls = []
+    for line in re.findall(r"^\s*bench (\S.*)$", text, re.M):
+        words = []
+        for word in shlex.split(line)[1:]:  # drop the call's NAME
+            match = re.fullmatch(r"\$\{(\w+)\[@\]\}", word)
+            words += arrays[match.group(1)] if match else [word]
+        calls.append(words)
+    return calls
+
+
+def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
+    tmp_path: Path,
+) -> None:
+    calls = _main_job_calls()
+    assert len(calls) == 6  # the quick call and five of the full size
+    run_args = ["--run-arg=--device=cuda", "--run-arg=--share-gpus"]
+    layouts = set()
+    for argv in calls:
+        args = _args(*argv, *run_args)
+        size = QUICK if args.quick else FULL
+        for preset in args.preset:
+            for workload in args.workload:
+                base = point_job(args, preset, workload, size, tmp_path)
+                check_sweeps(args, base)
+                points = expand(args, base, preset, workload)
+                assert points
+                layouts |= {p.layout for p in points}
+                for point in points:
+                    job = job_of(base, point)
+                    assert job.share_gpus
+                    assert job.device == "cuda"
+    assert layouts == {"1A1F", "2A1F", "3A1F", "2A2F"}
+
+
+def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> None:
+    import subprocess
+
+    shown = subprocess.run(["bash", str(MAIN_JOB), "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0
+    assert "tools/gpu/main-job --full" in shown.stdout
+    assert "set -uo" not in shown.stdout
+    wrong = subprocess.run(["bash", str(MAIN_JOB), "--fast"], capture_output=True, text=True)
+    assert wrong.returncode == 2
+    assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
