@@ -37,13 +37,9 @@ from pathlib import Path
 import torch
 
 from afd_protocol import DispatchHandle, Role, SlotLayout, Topology, WorkItem, plan_dispatch
-from afd_protocol.window import (
-    KernelAttentionEndpoint,
-    LoopbackWorld,
-    WindowFFNEndpoint,
-    WindowOptions,
-)
+from afd_protocol.window import LoopbackWorld, WindowFFNEndpoint, WindowOptions
 from afd_tools.bench.shm_transport import FORMATS, layer_bytes
+from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
 from afd_transport_nvshmem.kernels import triton_kernels
 
 HIDDEN, EXPERTS, TOPK = 2048, 64, 6
@@ -121,7 +117,7 @@ class LoopbackLayer:
         ffn = WindowFFNEndpoint(
             world.transport(Role.FFN, 0),
             WindowOptions(timeout=30.0),
-            kernels if reduce_kernel else None,
+            kernels.reduce_partials if reduce_kernel else None,
         )
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)

@@ -29,18 +29,14 @@ from afd_protocol import (
 from afd_protocol.testing import LinearExperts, random_routing
 from afd_protocol.window import (
     Arrivals,
-    KernelAttentionEndpoint,
     LoopbackTransport,
     LoopbackWorld,
     WindowAttentionEndpoint,
     WindowConnection,
     WindowFFNEndpoint,
-    WindowKernels,
     WindowOptions,
     abort_words,
     flag_words,
-    reference_device_pack,
-    reference_fused_combine,
     slot_view,
 )
 
@@ -482,78 +478,15 @@ def test_endpoints_decode_the_header_the_transport_captured() -> None:
     assert ffn.header_reads == {"copied": 1}
 
 
-class CountingKernels:
-    """The reference kernels, counting their calls (and optionally failing once)."""
-
-    def __init__(self, device_pack: bool = True, fail_combine: Exception | None = None) -> None:
-        self.combines = 0
-        self.packs = 0
-        self.fail_combine = fail_combine
-        self.kernels = WindowKernels(self._combine, self._pack if device_pack else None)
-
-    def _combine(self, inputs):  # type: ignore[no-untyped-def]
-        self.combines += 1
-        if self.fail_combine is not None:
-            failure, self.fail_combine = self.fail_combine, None
-            raise failure
-        return reference_fused_combine(inputs)
-
-    def _pack(self, inputs):  # type: ignore[no-untyped-def]
-        self.packs += 1
-        reference_device_pack(inputs)
-
-
-def kernel_endpoint(
-    world: LoopbackWorld, kernels: CountingKernels, **options: object
-) -> KernelAttentionEndpoint:
-    transport = world.transport(Role.ATTENTION, 0)
-    return KernelAttentionEndpoint(
-        transport,
-        WindowOptions(timeout=0.05, **options),
-        kernels.kernels,  # type: ignore[arg-type]
-    )
-
-
-@pytest.mark.parametrize("shared", ["attention", "ffn"])
-def test_fused_combine_agrees_with_the_per_rank_combine(shared: str) -> None:
-    """The endpoint's window offsets, segment bounds and wire positions, fed to the reference
-    fused combine, give the same outputs as the portable path -- including an FFN rank that
-    received nothing, a second ring, and fewer tokens than FFN ranks (shared rows)."""
-    world = make_world(a=1, f=3, experts=7, shared=shared, ring_depth=2)
-    experts = linear_experts(world)
-    transport = world.transport(Role.ATTENTION, 0)
-    counting = CountingKernels()
-    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
-    ffn0_and_1 = [e for r in (0, 1) for e in world.window.slot.topology.local_experts(r)]
-    jobs = [
-        (1, *route(20, 3, list(range(7)), 11)),
-        (3, *route(9, 3, ffn0_and_1, 12)),  # FFN rank 2 gets no routed rows
-        (0, *route(2, 3, list(range(7)), 13)),  # 2 tokens, 3 FFN ranks
-    ]
-    results: dict[str, list[torch.Tensor]] = {}
-    for combine in ("fused", "portable"):
-        attention = KernelAttentionEndpoint(
-            transport, WindowOptions(timeout=0.05, combine=combine), counting.kernels
-        )
-        outputs = []
-        # The first two jobs are in flight together, so both rings carry replies.
-        for batch in (jobs[:2], jobs[2:]):
-            handles = [
-                attention.dispatch(layer, x, ids, w, stage=stage)
-                for stage, (layer, x, ids, w) in enumerate(batch)
-            ]
-            assert sorted(h.ring for h in handles) == list(range(len(batch)))
-            drain(ffns, experts)
-            for (layer, x, ids, w), handle in zip(batch, handles, strict=True):
-                out = attention.combine(handle)
-                expected = experts.reference(layer, x, ids, w, shared == "ffn")
-                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
-                outputs.append(out)
-        results[combine] = outputs
-        attention.close()
-    assert counting.combines == len(jobs)  # the fused kernel ran for the fused endpoint only
-    for a, b in zip(results["fused"], results["portable"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+def test_the_portable_endpoint_refuses_options_that_need_device_kernels() -> None:
+    world = make_world(a=1, f=3, experts=7)
+    plain = world.connection(Role.ATTENTION, 0)
+    plain.attention_endpoint(FAST).close()  # the defaults need none
+    for options in (WindowOptions(device_pack=True), WindowOptions(combine="fused")):
+        with pytest.raises(InvalidArgument, match="need device kernels"):
+            plain.attention_endpoint(options)
+    with pytest.raises(InvalidArgument, match="device_pack must be None \\(auto\\), True or"):
+        WindowOptions(device_pack="yes")  # type: ignore[arg-type]
 
 
 def test_wire_position_inverts_the_wire_order() -> None:
@@ -567,120 +500,18 @@ def test_wire_position_inverts_the_wire_order() -> None:
     assert torch.all(wire_of[ids.reshape(-1)[plan.order]].diff() >= 0)
 
 
-@pytest.mark.parametrize("shared", ["attention", "ffn"])
-def test_device_packed_dispatch_matches_the_reference_and_serves_empty_parts(shared: str) -> None:
-    """Dispatches packed from a device-side plan (headers, counts and checksums written by the
-    pack) decode on the FFN side and combine to the reference. Every FFN rank is sent to: one
-    whose experts got nothing serves an empty part. A batch that could overflow a rank takes
-    the portable path; expert ids out of range fail the combine, naming the id."""
-    world = make_world(a=1, f=3, experts=7, shared=shared, ring_depth=2, tokens=32)
-    experts = linear_experts(world)
-    counting = CountingKernels()
-    attention = kernel_endpoint(world, counting, device_pack=True)
-    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
-    topo = world.window.slot.topology
-    ffn0_and_1 = [e for r in (0, 1) for e in topo.local_experts(r)]
-    routed_cap = world.window.slot.routed_cap
-    jobs = [
-        (1, *route(20, 3, list(range(7)), 21)),
-        (2, *route(9, 3, ffn0_and_1, 22)),  # FFN rank 2's experts get nothing
-        (0, *route(2, 3, list(range(7)), 23)),
-        (3, *route(32, 3, list(range(7)), 24)),  # 96 rows > routed_cap: the host plan
-    ]
-    assert 32 * 3 > routed_cap >= 20 * 3
-    served: list[tuple[int, int, int]] = []
-    for batch in (jobs[:2], jobs[2:]):
-        handles = [
-            attention.dispatch(layer, x, ids, w, stage=stage)
-            for stage, (layer, x, ids, w) in enumerate(batch)
-        ]
-        served += drain(ffns, experts)
-        for (layer, x, ids, w), handle in zip(batch, handles, strict=True):
-            out = attention.combine(handle)
-            expected = experts.reference(layer, x, ids, w, shared == "ffn")
-            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
-    assert counting.packs == 3
-    # FFN rank 2 served layer 2 (an empty part) because the packed path sends to everyone.
-    assert (2, 0, 2) in served
-    x, ids, w = route(4, 3, list(range(7)), 25)
-    handle = attention.dispatch(0, x, ids.masked_fill(ids == ids[0, 0], 9), w)
-    drain(ffns, experts)
-    with pytest.raises(InvalidArgument, match="expert id 9, outside \\[0, 7\\)"):
-        attention.combine(handle)
-    assert attention.in_flight == 0  # the ring came back
-
-
-def test_device_pack_is_the_default_where_the_kernels_have_one() -> None:
-    world = make_world(a=1, f=3, experts=7)
-    experts = linear_experts(world)
-    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
-    x, ids, w = route(5, 3, list(range(7)), 26)
-    expected = experts.reference(0, x, ids, w, False)
-    cases = [
-        ({}, CountingKernels(), (1, 1)),  # the defaults: packed, fused combine
-        ({"device_pack": False}, CountingKernels(), (0, 1)),  # planned on the host
-        ({"combine": "portable"}, CountingKernels(), (0, 0)),  # no kernel at all
-        ({}, CountingKernels(device_pack=False), (0, 1)),  # kernels without a pack
-    ]
-    for options, counting, calls in cases:
-        attention = kernel_endpoint(world, counting, **options)
-        handle = attention.dispatch(0, x, ids, w)
-        drain(ffns, experts)
-        out = attention.combine(handle)
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
-        assert (counting.packs, counting.combines) == calls, options
-        attention.close()
-    with pytest.raises(InvalidArgument, match="have no device pack"):
-        kernel_endpoint(world, CountingKernels(device_pack=False), device_pack=True)
-    with pytest.raises(InvalidArgument, match="device_pack must be None \\(auto\\), True or"):
-        WindowOptions(device_pack="yes")  # type: ignore[arg-type]
-    plain = world.connection(Role.ATTENTION, 0)  # no kernels at all
-    plain.attention_endpoint(FAST).close()  # the defaults need none
-    for options in (WindowOptions(device_pack=True), WindowOptions(combine="fused")):
-        with pytest.raises(InvalidArgument, match="need device kernels"):
-            plain.attention_endpoint(options)
-
-
 @pytest.mark.parametrize("shape", [(6,), (2, 3, 3)])
 def test_topk_ids_of_the_wrong_rank_are_an_invalid_argument_on_every_path(
     shape: tuple[int, ...],
 ) -> None:
+    """(The kernel endpoint's paths: afd-transport-nvshmem's tests.)"""
     world = make_world(a=1, f=3, experts=7)
-    transport = world.transport(Role.ATTENTION, 0)
-    counting = CountingKernels()
-    makers = [
-        lambda: WindowConnection(transport).attention_endpoint(FAST),
-        lambda: KernelAttentionEndpoint(transport, FAST, counting.kernels),
-        lambda: KernelAttentionEndpoint(
-            transport, WindowOptions(timeout=0.05, device_pack=True), counting.kernels
-        ),
-    ]
-    for make in makers:
-        attention = make()
-        ids = torch.zeros(shape, dtype=torch.long)
-        with pytest.raises(InvalidArgument, match="topk_ids"):
-            attention.dispatch(0, torch.zeros(shape[0], HIDDEN), ids, torch.zeros(shape))
-        assert attention.in_flight == 0
-        attention.close()
-
-
-def test_a_packed_dispatch_combine_can_be_retried_after_the_kernel_failed() -> None:
-    world = make_world(a=1, f=3, experts=7)
-    experts = linear_experts(world)
-    counting = CountingKernels(fail_combine=RuntimeError("out of memory (simulated)"))
-    attention = kernel_endpoint(world, counting, device_pack=True)
-    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
-    x, ids, w = route(5, 3, list(range(7)), 31)
-    handle = attention.dispatch(1, x, ids, w)
-    drain(ffns, experts)
-    with pytest.raises(RuntimeError, match="simulated"):
-        attention.combine(handle)
-    assert attention.in_flight == 1  # still ours to combine
-    out = attention.combine(handle)
-    torch.testing.assert_close(
-        out.double(), experts.reference(1, x, ids, w, False), rtol=1e-5, atol=1e-4
-    )
+    attention = WindowConnection(world.transport(Role.ATTENTION, 0)).attention_endpoint(FAST)
+    ids = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(InvalidArgument, match="topk_ids"):
+        attention.dispatch(0, torch.zeros(shape[0], HIDDEN), ids, torch.zeros(shape))
     assert attention.in_flight == 0
+    attention.close()
 
 
 class ClosingTransport(LoopbackTransport):
@@ -694,16 +525,12 @@ class ClosingTransport(LoopbackTransport):
         self.closes += 1
 
 
-def test_a_window_connection_picks_the_endpoint_by_its_kernels_and_owns_the_transport() -> None:
+def test_a_window_connection_makes_the_portable_endpoints_and_owns_the_transport() -> None:
     world = make_world(a=1, f=1, experts=4)
-    counting = CountingKernels()
-    connection = world.connection(Role.ATTENTION, 0, counting.kernels)
+    connection = world.connection(Role.ATTENTION, 0)
     assert (connection.role, connection.rank) == (Role.ATTENTION, 0)
     assert (connection.layout, connection.device) == (world.window.slot, torch.device("cpu"))
-    attention = connection.attention_endpoint(FAST)
-    assert type(attention) is KernelAttentionEndpoint  # the kernels the backend declared
-    attention.close()
-    portable = world.connection(Role.ATTENTION, 0).attention_endpoint(FAST)
+    portable = connection.attention_endpoint(FAST)
     assert type(portable) is WindowAttentionEndpoint
     assert type(world.connection(Role.FFN, 0).ffn_endpoint(FAST)) is WindowFFNEndpoint
 

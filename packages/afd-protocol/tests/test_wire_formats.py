@@ -35,17 +35,11 @@ from afd_protocol import (
     encode_words,
     plan_dispatch,
     plan_on_device,
-    reference_reduce_partials,
 )
 from afd_protocol.testing import LinearExperts, random_routing
 from afd_protocol.window import (
-    KernelAttentionEndpoint,
     LoopbackWorld,
-    WindowFFNEndpoint,
-    WindowKernels,
     WindowOptions,
-    reference_device_pack,
-    reference_fused_combine,
 )
 
 HIDDEN = 8
@@ -343,97 +337,6 @@ def test_per_token_rows_that_contradict_their_counts_are_refused(
         decode_header(encode_words(header), limits)
 
 
-def test_a_fused_combine_of_replies_already_reduced_is_refused() -> None:
-    layout = layout_of("per_rank", "ffn")
-    world = LoopbackWorld(layout.window())
-    kernels = WindowKernels(
-        fused_combine=reference_fused_combine, device_pack=reference_device_pack
-    )
-    transport = world.transport(Role.ATTENTION, 0)
-    with pytest.raises(InvalidArgument, match="with combine_reduce='ffn' the FFN side already did"):
-        KernelAttentionEndpoint(transport, WindowOptions(combine="fused"), kernels)
-    # The defaults work: the portable sum of the reduced replies (and the pack, on request).
-    KernelAttentionEndpoint(transport, FAST, kernels).close()
-    KernelAttentionEndpoint(transport, WindowOptions(device_pack=True), kernels).close()
-
-
-class Calls:
-    """Reference kernels that count their calls."""
-
-    def __init__(self) -> None:
-        self.counts = {"pack": 0, "combine": 0, "reduce": 0}
-
-    def kernels(self) -> WindowKernels:
-        def count(name: str, kernel):  # type: ignore[no-untyped-def]
-            def counted(inputs):  # type: ignore[no-untyped-def]
-                self.counts[name] += 1
-                return kernel(inputs)
-
-            return counted
-
-        return WindowKernels(
-            fused_combine=count("combine", reference_fused_combine),
-            device_pack=count("pack", reference_device_pack),
-            reduce_partials=count("reduce", reference_reduce_partials),
-        )
-
-
-@pytest.mark.parametrize(("wire", "reduce"), FORMATS[1:])
-@pytest.mark.parametrize("shared", ["attention", "ffn"])
-def test_per_rank_packs_on_the_device_and_matches_the_reference(
-    wire: str, reduce: str, shared: str
-) -> None:
-    """A per_rank dispatch packed from the device plan (token rows, local ids, weights and
-    headers written by the pack) is served and combined to the float64 reference, including
-    an FFN rank whose experts got nothing and a second ring in flight. The FFN side reduces
-    with the endpoint's kernel. Reduced on the FFN, every batch within token_cap packs
-    (a rank never gets more rows than tokens); reduced on the attention side a batch whose
-    partials could overflow a rank takes the host plan."""
-    layout = layout_of(wire, reduce, a=1, f=3, shared=shared, tokens=32)
-    world = LoopbackWorld(layout.window(ring_depth=2))
-    calls = Calls()
-    kernels = calls.kernels()
-    attention = KernelAttentionEndpoint(
-        world.transport(Role.ATTENTION, 0), WindowOptions(timeout=0.05, device_pack=True), kernels
-    )
-    ffns = [WindowFFNEndpoint(world.transport(Role.FFN, r), FAST, kernels) for r in range(3)]
-    experts = LinearExperts(4, 7, HIDDEN, seed=5)
-    topo = layout.topology
-    ffn0_and_1 = [e for r in (0, 1) for e in topo.local_experts(r)]
-    gen = torch.Generator().manual_seed(5)
-    jobs = [
-        (1, *random_routing(20, HIDDEN, 3, range(7), gen)),
-        (2, *random_routing(9, HIDDEN, 3, ffn0_and_1, gen)),  # FFN rank 2 gets nothing
-        (0, *random_routing(1, HIDDEN, 3, range(7), gen)),
-        (3, *random_routing(32, HIDDEN, 3, range(7), gen)),  # 96 partials > routed_cap 64
-    ]
-    served = []
-    for batch in (jobs[:2], jobs[2:]):
-        handles = [
-            attention.dispatch(layer, x, ids, w, stage=stage)
-            for stage, (layer, x, ids, w) in enumerate(batch)
-        ]
-        served += experts.drain(ffns)
-        for (layer, x, ids, w), handle in zip(batch, handles, strict=True):
-            out = attention.combine(handle)
-            expected = experts.reference(layer, x, ids, w, shared == "ffn")
-            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
-    packed = 4 if reduce == "ffn" else 3
-    assert calls.counts["pack"] == packed
-    assert (2, 0, 2) in served  # the packed path sends to every rank
-    # Replies per partial are weighted by the fused kernel; reduced ones summed by it only
-    # when packed (the host plan's portable sum needs no kernel).
-    assert calls.counts["combine"] == (packed if reduce == "ffn" else 4)
-    # Every part with a row reduced with the kernel on the FFN side.
-    assert (calls.counts["reduce"] > 0) == (reduce == "ffn")
-    x, ids, w = random_routing(4, HIDDEN, 3, range(7), gen)
-    handle = attention.dispatch(0, x, ids.masked_fill(ids == ids[0, 0], 9), w)
-    experts.drain(ffns)
-    with pytest.raises(InvalidArgument, match="expert id 9, outside \\[0, 7\\)"):
-        attention.combine(handle)
-    assert attention.in_flight == 0
-
-
 def test_the_device_plan_places_token_rows_as_the_host_plan_lists_them() -> None:
     topo = Topology(1, 3, 7)
     gen = torch.Generator().manual_seed(8)
@@ -505,20 +408,3 @@ def test_the_reduce_reference_matches_a_float64_sum(
             r, j = divmod(slot, topk)
             expected[r] += float(route_weights[r, j]) * out[p].double()
         torch.testing.assert_close(reduced.double(), expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(("wire", "reduce"), FORMATS[1:])
-def test_the_kernel_endpoint_serves_per_rank_with_what_applies(wire: str, reduce: str) -> None:
-    layout = layout_of(wire, reduce, a=1, f=2, shared="ffn")
-    world = LoopbackWorld(layout.window())
-    kernels = WindowKernels(fused_combine=reference_fused_combine, device_pack=None)
-    attention = KernelAttentionEndpoint(world.transport(Role.ATTENTION, 0), FAST, kernels)
-    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
-    experts = LinearExperts(2, 7, HIDDEN, seed=3)
-    x, ids, w = random_routing(20, HIDDEN, 3, range(7), torch.Generator().manual_seed(3))
-    handle = attention.dispatch(1, x, ids, w)
-    experts.drain(ffns)
-    out = attention.combine(handle)
-    torch.testing.assert_close(
-        out.double(), experts.reference(1, x, ids, w, True), rtol=1e-5, atol=1e-4
-    )

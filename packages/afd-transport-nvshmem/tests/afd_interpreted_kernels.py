@@ -1,5 +1,5 @@
 """Run the Triton kernels of the transport on the CPU through Triton's interpreter and compare
-them with the torch references of afd_protocol.window.kernels and afd_protocol's
+them with the torch references of afd_transport_nvshmem.kernel_specs and afd_protocol's
 reference_reduce_partials, and the per_rank pack also with the host plan (run by
 test_kernels_interpreted.py in a subprocess with TRITON_INTERPRET=1; the variable must be set
 before Triton compiles anything, so it cannot share the test process)."""
@@ -27,14 +27,14 @@ from afd_protocol import (
     plan_on_device,
     reference_reduce_partials,
 )
-from afd_protocol.window import (
+from afd_transport_nvshmem.kernel_specs import (
     CombineInputs,
     PackInputs,
     TokenRowInputs,
+    crc_tables,
     reference_device_pack,
     reference_fused_combine,
 )
-from afd_protocol.window.kernels import crc_tables
 
 
 def routing(tokens: int, experts: int, topk: int, gen: torch.Generator) -> torch.Tensor:

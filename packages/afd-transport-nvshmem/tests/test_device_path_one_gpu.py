@@ -16,12 +16,8 @@ from afd_protocol import (
     relative_error,
 )
 from afd_protocol.testing import LinearExperts, random_routing
-from afd_protocol.window import (
-    KernelAttentionEndpoint,
-    LoopbackWorld,
-    WindowFFNEndpoint,
-    WindowOptions,
-)
+from afd_protocol.window import LoopbackWorld, WindowFFNEndpoint, WindowOptions
+from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,7 +92,10 @@ def test_per_rank_rows_through_the_kernel_endpoints_on_one_gpu(
     kernels = triton_kernels()
     attention = KernelAttentionEndpoint(world.transport(Role.ATTENTION, 0), options, kernels)
     ffn_options = WindowOptions(timeout=0.5)
-    ffns = [WindowFFNEndpoint(world.transport(Role.FFN, r), ffn_options, kernels) for r in range(3)]
+    ffns = [
+        WindowFFNEndpoint(world.transport(Role.FFN, r), ffn_options, kernels.reduce_partials)
+        for r in range(3)
+    ]
     experts = LinearExperts(2, 12, hidden, seed=5)
     serving = LinearExperts(2, 12, hidden, seed=5).to("cuda")
     gen = torch.Generator().manual_seed(6)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from afd_protocol import Topology, plan_dispatch
-from afd_protocol.window import CombineInputs, reference_fused_combine
+from afd_transport_nvshmem.kernel_specs import CombineInputs, reference_fused_combine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,9 +85,8 @@ def test_triton_device_pack_matches_the_reference(
         encode_words,
         plan_on_device,
     )
-    from afd_protocol.window import PackInputs, reference_device_pack
-    from afd_protocol.window.kernels import crc_tables
     from afd_transport_nvshmem.device_pack import triton_device_pack
+    from afd_transport_nvshmem.kernel_specs import PackInputs, crc_tables, reference_device_pack
 
     experts, topk = 16, 4
     topo = Topology(1, ffn, experts)

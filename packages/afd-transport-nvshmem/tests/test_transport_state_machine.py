@@ -175,8 +175,9 @@ def test_the_connection_makes_kernel_endpoints_loading_the_kernels_late(
     when an endpoint is made, not when the connection opens (stand-ins here: CI has no
     Triton); ``abort`` and ``close`` reach the transport."""
     from afd_protocol import EndpointOptions
-    from afd_protocol.window import REFERENCE_KERNELS, KernelAttentionEndpoint, WindowKernels
     from afd_transport_nvshmem import kernels
+    from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
+    from afd_transport_nvshmem.kernel_specs import REFERENCE_KERNELS, WindowKernels
     from afd_transport_nvshmem.transport import NvshmemConnection
 
     loads: list[str] = []

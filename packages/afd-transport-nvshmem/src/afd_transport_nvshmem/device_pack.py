@@ -1,6 +1,6 @@
 # Triton kernels take untyped compile-time arguments:
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
-"""The device pack (:mod:`afd_protocol.window.kernels`) as two Triton launches.
+"""The device pack (:mod:`afd_transport_nvshmem.kernel_specs`) as two Triton launches.
 
 ``_pack_rows_kernel``: one program per tile of wire positions and columns finds each row's
 FFN rank from the segment bounds (on the device), and copies the source token's hidden
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from afd_protocol import HEADER_FIXED_WORDS, Word, constant_index
-from afd_protocol.window import PackInputs, TokenRowInputs
+from afd_transport_nvshmem.kernel_specs import PackInputs, TokenRowInputs
 
 ROWS = 4
 BLOCK_H = 1024
@@ -178,7 +178,8 @@ def _pack_headers_kernel(
 
 
 def triton_device_pack(inputs: PackInputs) -> None:
-    """:data:`afd_protocol.window.DevicePack` on a CUDA device, on the current stream."""
+    """:data:`~afd_transport_nvshmem.kernel_specs.DevicePack` on a CUDA device, on the current
+    stream."""
     plan = inputs.plan
     hidden = inputs.hidden.contiguous()
     device = hidden.device

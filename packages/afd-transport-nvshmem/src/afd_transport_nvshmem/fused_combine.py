@@ -1,6 +1,6 @@
 # Triton kernels take untyped compile-time arguments:
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
-"""The fused combine (:mod:`afd_protocol.window.kernels`) as one Triton kernel.
+"""The fused combine (:mod:`afd_transport_nvshmem.kernel_specs`) as one Triton kernel.
 
 One program per (token, column block): it loads the token's ``k`` wire positions and
 weights, finds each reply row in the window (the FFN rank is the number of segment bounds
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afd_protocol.window import CombineInputs
+from afd_transport_nvshmem.kernel_specs import CombineInputs
 
 BLOCK_H = 1024
 """Columns per program: a DeepSeek hidden size (2048, 7168) splits into a few blocks."""
@@ -65,7 +65,8 @@ def _fused_combine_kernel(
 
 
 def triton_fused_combine(inputs: CombineInputs) -> torch.Tensor:
-    """:data:`afd_protocol.window.FusedCombine` on a CUDA device, on the current stream."""
+    """:data:`~afd_transport_nvshmem.kernel_specs.FusedCombine` on a CUDA device, on the current
+    stream."""
     num_tokens, topk = inputs.topk_weights.shape
     hidden = inputs.hidden_size
     out = torch.empty(num_tokens, hidden, dtype=inputs.out_dtype, device=inputs.rows.device)

@@ -1,5 +1,5 @@
 """The Triton kernels this package offers a window endpoint, as one
-:class:`~afd_protocol.window.WindowKernels`.
+:class:`~afd_transport_nvshmem.kernel_specs.WindowKernels`.
 
 Imported only when an endpoint is made (Triton is imported with it)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from afd_protocol.window import WindowKernels
+from afd_transport_nvshmem.kernel_specs import WindowKernels
 
 
 @functools.cache

@@ -34,7 +34,7 @@ Endpoints
 ---------
 :class:`NvshmemConnection` is the :class:`~afd_protocol.Connection` over this transport.
 The attention endpoint it makes is the window layer's
-:class:`~afd_protocol.window.KernelAttentionEndpoint` with the Triton kernels
+:class:`~afd_transport_nvshmem.kernel_attention.KernelAttentionEndpoint` with the Triton kernels
 (:mod:`afd_transport_nvshmem.kernels`, loaded when an endpoint is made): a fused combine,
 and a device pack on request; the FFN endpoint's ``per_rank`` parts reduce with the Triton
 reduce kernel.
@@ -86,8 +86,6 @@ from afd_protocol import (
 )
 from afd_protocol.window import (
     Arrivals,
-    WindowConnection,
-    WindowKernels,
     WindowTransport,
     abort_words,
     flag_words,
@@ -99,6 +97,8 @@ from afd_transport_nvshmem.cuda_memory import (
     stream_memops_available,
     stream_write_value32,
 )
+from afd_transport_nvshmem.kernel_attention import KernelWindowConnection
+from afd_transport_nvshmem.kernel_specs import WindowKernels
 from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
 
 if TYPE_CHECKING:
@@ -414,7 +414,7 @@ class NvshmemTransport(WindowTransport):
         self._lib.finalize()
 
 
-class NvshmemConnection(WindowConnection):
+class NvshmemConnection(KernelWindowConnection):
     """An :class:`NvshmemTransport` as a :class:`~afd_protocol.Connection`: the kernel
     attention endpoint with the Triton kernels (fused combine, device pack), and the FFN
     window endpoint whose ``per_rank`` parts reduce with the Triton kernel."""

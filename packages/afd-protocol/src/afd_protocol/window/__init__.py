@@ -3,29 +3,16 @@
 Above the contract core, bottom to top (``import-linter`` keeps the direction): a
 bytes-and-flags transport interface (:class:`WindowTransport`); the window endpoints that
 implement the core's endpoint protocols over it (:class:`WindowAttentionEndpoint`,
-:class:`WindowFFNEndpoint`, and :class:`KernelAttentionEndpoint` for backends with device
-kernels, specified with their torch references in :mod:`afd_protocol.window.kernels`);
+:class:`WindowFFNEndpoint`; a backend with device kernels extends them in its own package);
 :class:`WindowConnection`, the :class:`~afd_protocol.core.endpoints.Connection` that owns a
 transport and makes the endpoint a rank asks for; and an in-process loopback transport for
 step-by-step tests. The shared-memory transport (:mod:`afd_protocol.shm`) and the NVSHMEM
 transport build on it.
 """
 
-from afd_protocol.window.attention import WindowAttentionEndpoint, WindowDispatch
+from afd_protocol.window.attention import ExpectedReply, WindowAttentionEndpoint, WindowDispatch
 from afd_protocol.window.connection import WindowConnection
 from afd_protocol.window.ffn import WindowFFNEndpoint
-from afd_protocol.window.kernel_attention import KernelAttentionEndpoint
-from afd_protocol.window.kernels import (
-    REFERENCE_KERNELS,
-    CombineInputs,
-    DevicePack,
-    FusedCombine,
-    PackInputs,
-    TokenRowInputs,
-    WindowKernels,
-    reference_device_pack,
-    reference_fused_combine,
-)
 from afd_protocol.window.loopback import LoopbackTransport, LoopbackWorld
 from afd_protocol.window.options import WindowOptions
 from afd_protocol.window.pinned import HeaderUpload, PinnedReadback, PinnedUpload
@@ -33,31 +20,22 @@ from afd_protocol.window.transport import Arrivals, SequenceCounter, WindowTrans
 from afd_protocol.window.views import SlotView, abort_words, flag_words, slot_view
 
 __all__ = [
-    "REFERENCE_KERNELS",
     "Arrivals",
-    "CombineInputs",
-    "DevicePack",
-    "FusedCombine",
+    "ExpectedReply",
     "HeaderUpload",
-    "KernelAttentionEndpoint",
     "LoopbackTransport",
     "LoopbackWorld",
-    "PackInputs",
     "PinnedReadback",
     "PinnedUpload",
     "SequenceCounter",
     "SlotView",
-    "TokenRowInputs",
     "WindowAttentionEndpoint",
     "WindowConnection",
     "WindowDispatch",
     "WindowFFNEndpoint",
-    "WindowKernels",
     "WindowOptions",
     "WindowTransport",
     "abort_words",
     "flag_words",
-    "reference_device_pack",
-    "reference_fused_combine",
     "slot_view",
 ]

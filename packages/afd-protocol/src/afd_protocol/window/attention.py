@@ -11,8 +11,13 @@ several, every participant publishes to every FFN rank so that readiness is deci
 and waits for all of them) and sums their replies with the top-k weights in fp32
 (:func:`~afd_protocol.core.plan.combine_scatter`).
 
-:class:`~afd_protocol.window.kernel_attention.KernelAttentionEndpoint` extends it with a
-backend's device kernels through the hooks ``_plan``, ``_send`` and ``_combine_arrived``.
+A backend with device kernels extends it in its own package (the NVSHMEM transport's
+``afd_transport_nvshmem.kernel_attention.KernelAttentionEndpoint``). What a subclass may
+override or call is this class's extension surface, kept stable within afd: the hooks
+``_setup`` (call the base first), ``_check_kernel_options``, ``_plan``, ``_send`` and
+``_combine_arrived``; and ``_dispatch_header``, ``_release``, ``_send_views``, ``_slot``,
+``_topology``, ``_window``, ``_rank``, ``_transport``, ``_reduced_replies``, with
+:class:`WindowDispatch` and :class:`ExpectedReply` (exported by :mod:`afd_protocol.window`).
 """
 
 from __future__ import annotations

@@ -7,14 +7,11 @@ it. The layers stay one way: the transport interface knows nothing of endpoints,
 endpoints know only the transport interface, and this module, above both, picks which
 endpoint a rank gets.
 
-Which endpoint is the backend's choice, declared by the device kernels it offers
-(:class:`~afd_protocol.window.kernels.WindowKernels`): none gives the portable
+A backend with device kernels subclasses it and makes its own endpoints (the NVSHMEM
+transport's connection makes its kernel attention endpoint and gives the FFN endpoint its
+reduce kernel); this one makes the portable
 :class:`~afd_protocol.window.attention.WindowAttentionEndpoint` and
-:class:`~afd_protocol.window.ffn.WindowFFNEndpoint`; kernels give the
-:class:`~afd_protocol.window.kernel_attention.KernelAttentionEndpoint` with them, and the
-FFN endpoint with their ``per_rank`` reduce. Pass them to the constructor, or override
-:meth:`WindowConnection.endpoint_kernels` to load them only when an endpoint is made (the
-NVSHMEM transport's connection does, so Triton loads then).
+:class:`~afd_protocol.window.ffn.WindowFFNEndpoint`.
 
 The window's state -- the sequence counter, the flag values last consumed, the one endpoint
 bound to it -- belongs to the transport, so closing an endpoint and asking for another is
@@ -33,21 +30,15 @@ from afd_protocol.core.layout import SlotLayout
 from afd_protocol.core.topology import Role
 from afd_protocol.window.attention import WindowAttentionEndpoint
 from afd_protocol.window.ffn import WindowFFNEndpoint
-from afd_protocol.window.kernel_attention import KernelAttentionEndpoint
-from afd_protocol.window.kernels import WindowKernels
 from afd_protocol.window.transport import WindowTransport
 
 
 class WindowConnection:
-    """One rank's connection over ``transport``; see the module docstring.
+    """One rank's connection over ``transport``; see the module docstring."""
 
-    ``kernels``: the device kernels its endpoints use (None: the portable endpoints).
-    """
-
-    def __init__(self, transport: WindowTransport, kernels: WindowKernels | None = None) -> None:
+    def __init__(self, transport: WindowTransport) -> None:
         self.transport = transport
         """The byte-moving backend (windows, flags, abort words); this connection owns it."""
-        self._kernels = kernels
 
     @property
     def role(self) -> Role:
@@ -65,20 +56,13 @@ class WindowConnection:
     def device(self) -> torch.device:
         return self.transport.device
 
-    def endpoint_kernels(self) -> WindowKernels | None:
-        """The device kernels of the endpoints made from now on (the hook a backend overrides)."""
-        return self._kernels
-
     def attention_endpoint(self, options: EndpointOptions | None = None) -> WindowAttentionEndpoint:
-        """This attention rank's endpoint: with the backend's kernels when it has them."""
-        kernels = self.endpoint_kernels()
-        if kernels is None:
-            return WindowAttentionEndpoint(self.transport, options)
-        return KernelAttentionEndpoint(self.transport, options, kernels)
+        """This attention rank's endpoint."""
+        return WindowAttentionEndpoint(self.transport, options)
 
     def ffn_endpoint(self, options: EndpointOptions | None = None) -> WindowFFNEndpoint:
-        """This FFN rank's endpoint (its ``per_rank`` parts reduce with the kernels' reduce)."""
-        return WindowFFNEndpoint(self.transport, options, self.endpoint_kernels())
+        """This FFN rank's endpoint."""
+        return WindowFFNEndpoint(self.transport, options)
 
     def abort(self) -> None:
         """Tell every peer that this rank failed (the transport's abort words)."""

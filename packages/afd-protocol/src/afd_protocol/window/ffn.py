@@ -29,9 +29,8 @@ from afd_protocol.core.header import (
 )
 from afd_protocol.core.layout import CombineReduce
 from afd_protocol.core.topology import Role
-from afd_protocol.core.workitem import WorkItem, WorkItemKey, WorkItemPart
+from afd_protocol.core.workitem import PartialsReduce, WorkItem, WorkItemKey, WorkItemPart
 from afd_protocol.window.common import WindowEndpoint
-from afd_protocol.window.kernels import WindowKernels
 from afd_protocol.window.transport import Arrivals, WindowTransport
 from afd_protocol.window.views import SlotView, slot_view
 
@@ -54,10 +53,11 @@ class WindowFFNEndpoint(WindowEndpoint):
         self,
         transport: WindowTransport,
         options: EndpointOptions | None = None,
-        kernels: WindowKernels | None = None,
+        reduce_partials: PartialsReduce | None = None,
     ) -> None:
-        # Only the reduce of per_rank partials is the FFN side's (handed out with each part).
-        self._reduce_kernel = None if kernels is None else kernels.reduce_partials
+        """``reduce_partials``: a backend's device kernel for the FFN-side reduce of
+        ``per_rank`` partials, handed out with each part (``None``: the torch reference)."""
+        self._reduce_kernel = reduce_partials
         super().__init__(transport, options)
 
     def _setup(self) -> None:

@@ -21,7 +21,6 @@ from afd_protocol.core.errors import PeerAborted, PeerTimeout
 from afd_protocol.core.layout import WindowLayout
 from afd_protocol.core.topology import Role
 from afd_protocol.window.connection import WindowConnection
-from afd_protocol.window.kernels import WindowKernels
 from afd_protocol.window.transport import Arrivals, WindowTransport
 from afd_protocol.window.views import abort_words, flag_words
 
@@ -44,11 +43,9 @@ class LoopbackWorld:
         """One rank's transport (a new one per call; they share the world's windows)."""
         return LoopbackTransport(self, Role(role), rank)
 
-    def connection(
-        self, role: Role | str, rank: int, kernels: WindowKernels | None = None
-    ) -> WindowConnection:
+    def connection(self, role: Role | str, rank: int) -> WindowConnection:
         """One rank's connection over a new :meth:`transport`: ask it for the endpoint."""
-        return WindowConnection(self.transport(role, rank), kernels)
+        return WindowConnection(self.transport(role, rank))
 
 
 class LoopbackTransport(WindowTransport):

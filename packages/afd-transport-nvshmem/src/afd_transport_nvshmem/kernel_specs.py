@@ -1,4 +1,4 @@
-"""Device kernels a window endpoint can use, as specifications with torch references.
+"""Device kernels the kernel attention endpoint uses, as specifications with torch references.
 
 A window endpoint does its work with portable torch ops. Hardware that can do better
 supplies kernels for two steps, through :class:`WindowKernels`; each kernel is specified
@@ -55,10 +55,16 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_protocol.core.header import HEADER_FIXED_WORDS, Word, checksum, crc_columns
-from afd_protocol.core.plan import DevicePlan
-from afd_protocol.core.topology import ExpertPlacement
-from afd_protocol.core.workitem import PartialsReduce, reference_reduce_partials
+from afd_protocol import (
+    HEADER_FIXED_WORDS,
+    DevicePlan,
+    ExpertPlacement,
+    PartialsReduce,
+    Word,
+    checksum,
+    crc_columns,
+    reference_reduce_partials,
+)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,12 @@
-"""The attention window endpoint with a backend's device kernels (:mod:`.kernels`).
+"""The attention window endpoint with device kernels (:mod:`.kernel_specs`), and the window
+connection that makes it.
 
-Chosen once, when the endpoint is made, by a backend that has kernels (the NVSHMEM
-transport passes its Triton kernels; tests pass :data:`~.kernels.REFERENCE_KERNELS`):
+:class:`KernelAttentionEndpoint` extends afd_protocol's portable
+:class:`~afd_protocol.window.WindowAttentionEndpoint` through its extension surface (that
+class's docstring); :class:`KernelWindowConnection` makes it, and the FFN endpoint with the
+kernels' ``per_rank`` reduce (the NVSHMEM transport's connection passes its Triton kernels;
+tests pass :data:`~.kernel_specs.REFERENCE_KERNELS`, the torch references). The kernels are
+chosen once, when the endpoint is made:
 
 * **fused combine** (``combine="auto"`` or ``"fused"``): the plan's segment bounds go to
   the device with the dispatch (through pinned memory, no host wait), and ``combine``
@@ -21,27 +26,35 @@ from __future__ import annotations
 
 import torch
 
-from afd_protocol.core.endpoints import EndpointOptions
-from afd_protocol.core.errors import InvalidArgument
-from afd_protocol.core.header import HEADER_FIXED_WORDS, encode_words
-from afd_protocol.core.plan import (
+from afd_protocol import (
+    HEADER_FIXED_WORDS,
     DevicePlan,
     DispatchPlan,
+    EndpointOptions,
+    InvalidArgument,
     WireOrder,
     check_expert_bounds,
+    constant_index,
+    encode_words,
     plan_on_device,
 )
-from afd_protocol.core.tensors import constant_index
-from afd_protocol.window.attention import ExpectedReply, WindowAttentionEndpoint, WindowDispatch
-from afd_protocol.window.kernels import (
+from afd_protocol.window import (
+    ExpectedReply,
+    PinnedReadback,
+    PinnedUpload,
+    WindowAttentionEndpoint,
+    WindowConnection,
+    WindowDispatch,
+    WindowFFNEndpoint,
+    WindowTransport,
+)
+from afd_transport_nvshmem.kernel_specs import (
     CombineInputs,
     PackInputs,
     TokenRowInputs,
     WindowKernels,
     crc_tables,
 )
-from afd_protocol.window.pinned import PinnedReadback, PinnedUpload
-from afd_protocol.window.transport import WindowTransport
 
 
 class KernelAttentionEndpoint(WindowAttentionEndpoint):
@@ -229,3 +242,32 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 out_dtype=handle.dtype,
             )
         )
+
+
+class KernelWindowConnection(WindowConnection):
+    """A window connection whose endpoints use device kernels: the
+    :class:`KernelAttentionEndpoint`, and the FFN window endpoint with the kernels'
+    ``per_rank`` reduce. Pass the kernels, or override :meth:`endpoint_kernels` to load
+    them only when an endpoint is made (the NVSHMEM transport's connection does, so Triton
+    loads then)."""
+
+    def __init__(self, transport: WindowTransport, kernels: WindowKernels | None = None) -> None:
+        super().__init__(transport)
+        self._kernels = kernels
+
+    def endpoint_kernels(self) -> WindowKernels:
+        """The device kernels of the endpoints made from now on."""
+        if self._kernels is None:
+            raise InvalidArgument(
+                f"{type(self).__name__} was given no kernels: pass them, or override "
+                f"endpoint_kernels()"
+            )
+        return self._kernels
+
+    def attention_endpoint(self, options: EndpointOptions | None = None) -> KernelAttentionEndpoint:
+        """This attention rank's endpoint, with the kernels."""
+        return KernelAttentionEndpoint(self.transport, options, self.endpoint_kernels())
+
+    def ffn_endpoint(self, options: EndpointOptions | None = None) -> WindowFFNEndpoint:
+        """This FFN rank's endpoint; its ``per_rank`` parts reduce with the kernels' reduce."""
+        return WindowFFNEndpoint(self.transport, options, self.endpoint_kernels().reduce_partials)
