@@ -4,6 +4,7 @@ follow from the reports (checked against numbers computed here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from afd_tools.bench.prefill_matrix import (
     expand,
     job_of,
     point_job,
+    warm_up_plan,
+    warms_up,
 )
 from afd_tools.bench.prefill_table import BenchRun, best_split_notes, markdown_table
 from afd_tools.cli import build_parser, main
@@ -239,16 +242,24 @@ def test_a_mode_summary_counts_goodput_against_the_slo() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_small_matrix_runs_on_cpu_every_output_verified(tmp_path: Path) -> None:
+def test_a_small_matrix_runs_on_cpu_every_output_verified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     report = tmp_path / "matrix.json"
     argv = [
         "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
         "--layout", "2:1", "--stages", "1", "--stages", "2", "--rate", "40",
-        "--ttft-slo", "5", "--run-arg=--device=cpu", "--json", str(report),
+        "--ttft-slo", "5", "--run-arg=--device=cpu", "--json", str(report), "--warm-up", "on",
     ]  # fmt: skip
     assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.index("[warm-up, not timed] afd run") < out.index("[1/2] afd run")
     data = json.loads(report.read_text())
     assert data["ttft_slo_s"] == 5.0
+    (warm,) = data["warm_up"]  # one preset, one A:F
+    assert warm["exit_code"] == 0
+    assert "--mode async" in warm["command"]
+    assert "--json" not in warm["command"]
     runs = data["runs"]
     assert [(r["stages"], r["modes"], r["rate"]) for r in runs] == [
         (1, list(MODES), 40.0),
@@ -330,3 +341,28 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
     wrong = subprocess.run(["bash", str(MAIN_JOB), "--fast"], capture_output=True, text=True)
     assert wrong.returncode == 2
     assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
+
+
+def test_a_warm_up_precedes_the_first_run_of_each_preset_and_layout(tmp_path: Path) -> None:
+    args = _args("--layout", "1:1", "--layout", "2:1", "--stages", "1", "--stages", "2")
+    runs = []
+    for preset in ("tiny", "v3-mini"):
+        base = point_job(args, preset, "uneven", QUICK, tmp_path)
+        runs += [(p, job_of(base, p)) for p in expand(args, base, preset, "uneven")]
+    plan = warm_up_plan(runs)
+    assert sorted(plan) == [0, 2, 4, 6]  # two stage counts per (preset, layout)
+    for index, job in plan.items():
+        point, timed = runs[index]
+        assert (job.preset, job.attention_ranks, job.ffn_ranks) == (
+            point.preset,
+            point.attention_ranks,
+            point.ffn_ranks,
+        )
+        assert job.modes == ("async",)
+        assert job.stages == timed.stages
+        assert job.json is None
+    cpu = dataclasses.replace(runs[0][1], device="cpu")
+    assert not warms_up("auto", cpu)
+    assert warms_up("on", cpu)
+    assert not warms_up("off", dataclasses.replace(cpu, device="cuda"))
+    assert warms_up("auto", dataclasses.replace(cpu, device="cuda"))

@@ -19,7 +19,9 @@ The sweeps (each option repeatable): ``--layout A:F``; ``--stages N`` (every mod
 the first, async alone at the others, so each async variant meets the sync run of its own
 group); ``--attention-share PCT`` (ranks sharing a GPU under CUDA MPS: each attention rank's
 share of the SMs, the FFN ranks split the rest; a line under the table names the best split
-per A:F); ``--rate R`` (Poisson arrivals per second, for TTFT under load).
+per A:F); ``--rate R`` (Poisson arrivals per second, for TTFT under load). On a GPU an
+untimed async run precedes the first timed run of each preset and A:F (``--warm-up``): a
+fresh machine otherwise compiles kernels inside the first timed mode.
 
 ``--quick`` sizes keep the GPU suite short; the full size is the default. The table is
 printed, written as JSON, and with ``--docs FILE`` replaces the block between the markers
@@ -54,6 +56,8 @@ from afd_tools.bench.prefill_matrix import (
     parse_rate,
     parse_share,
     point_job,
+    warm_up_plan,
+    warms_up,
 )
 from afd_tools.bench.prefill_table import BenchRun, markdown_table
 from afd_tools.outputs import check_writable, write_atomically
@@ -129,6 +133,13 @@ def add_parser(kinds: Any) -> None:
         default=None,
         metavar="SECONDS",
         help="add a goodput column: requests per second whose TTFT is at most this",
+    )
+    p.add_argument(
+        "--warm-up",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="an untimed async run before the first timed run of each preset and A:F, so "
+        "that what a fresh machine compiles (Triton, cuBLAS) is not timed (auto: on a GPU)",
     )
     p.add_argument(
         "--run-arg",
@@ -208,9 +219,18 @@ def run_prefill(args: argparse.Namespace) -> int:
         except WorkloadError as exc:
             print(f"afd bench prefill: error: {exc}", file=sys.stderr)
             return 2
-        for index, (point, job) in enumerate(runs, 1):
+        warm_ups = warm_up_plan(runs) if runs and warms_up(args.warm_up, runs[0][1]) else {}
+        warmed: list[dict[str, Any]] = []
+        for index, (point, job) in enumerate(runs):
+            if index in warm_ups:
+                command = warm_ups[index].command_line()
+                print(f"[warm-up, not timed] {command}", flush=True)
+                start = time.perf_counter()
+                code, _ = run_in_fresh_process(warm_ups[index])
+                wall = time.perf_counter() - start
+                warmed.append({"command": command, "exit_code": code, "wall_s": wall})
             command = job.command_line()
-            print(f"[{index}/{len(runs)}] {command}", flush=True)
+            print(f"[{index + 1}/{len(runs)}] {command}", flush=True)
             start = time.perf_counter()
             code, report = run_in_fresh_process(job)
             wall = time.perf_counter() - start
@@ -222,6 +242,7 @@ def run_prefill(args: argparse.Namespace) -> int:
             {
                 "size": size.__dict__,
                 "ttft_slo_s": args.ttft_slo,
+                "warm_up": warmed,
                 "runs": [r.to_json() for r in results],
             },
             indent=2,
