@@ -32,7 +32,10 @@ from afd_tools.run.job import MODES, RunJob
 
 
 def _args(*argv: str) -> Any:
-    return build_parser().parse_args(["bench", "prefill", *argv])
+    """The sweeps of ``afd bench prefill ARGV`` (and its other options on ``.parsed``)."""
+    from afd_tools.bench.prefill import sweeps_of
+
+    return sweeps_of(build_parser().parse_args(["bench", "prefill", *argv]))
 
 
 def test_a_matrix_runs_every_mode_once_per_group_and_async_alone_at_the_other_stages(
@@ -315,10 +318,11 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     run_args = ["--run-arg=--device=cuda", "--run-arg=--share-gpus"]
     layouts = set()
     for argv in calls:
+        parsed = build_parser().parse_args(["bench", "prefill", *argv, *run_args])
         args = _args(*argv, *run_args)
-        size = QUICK if args.quick else FULL
-        for preset in args.preset:
-            for workload in args.workload:
+        size = QUICK if parsed.quick else FULL
+        for preset in parsed.preset:
+            for workload in parsed.workload:
                 base = point_job(args, preset, workload, size, tmp_path)
                 check_sweeps(args, base)
                 points = expand(args, base, preset, workload)

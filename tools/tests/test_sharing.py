@@ -527,6 +527,7 @@ def test_colocated_mono_runs_every_request_in_one_process_and_verifies(
 
 # afd bench prefill -----------------------------------------------------------------------
 def test_bench_prefill_passes_the_mps_options_to_every_afd_run(tmp_path: Path) -> None:
+    from afd_tools.bench.prefill import sweeps_of
     from afd_tools.bench.prefill_matrix import QUICK, point_job
     from afd_tools.cli import build_parser
 
@@ -542,7 +543,7 @@ def test_bench_prefill_passes_the_mps_options_to_every_afd_run(tmp_path: Path) -
             "--run-arg=--no-mps",
         ]
     )
-    job = point_job(bench, "tiny", "uneven", QUICK, tmp_path)
+    job = point_job(sweeps_of(bench), "tiny", "uneven", QUICK, tmp_path)
     assert (job.share_gpus, job.mps_ffn_share, job.mps_attention_share, job.no_mps) == (
         True,
         60,
@@ -555,11 +556,12 @@ def test_bench_prefill_passes_the_mps_options_to_every_afd_run(tmp_path: Path) -
 
 
 def test_a_run_arg_wins_over_the_benchmarks_own_setting(tmp_path: Path) -> None:
+    from afd_tools.bench.prefill import sweeps_of
     from afd_tools.bench.prefill_matrix import QUICK, point_job
     from afd_tools.cli import build_parser
 
     bench = build_parser().parse_args(["bench", "prefill", "--run-arg=--stages=3"])
-    job = point_job(bench, "tiny", "uniform", QUICK, tmp_path)
+    job = point_job(sweeps_of(bench), "tiny", "uniform", QUICK, tmp_path)
     assert job.stages == 3
     assert job.workload_file == tmp_path / "tiny-uniform.jsonl"
     assert "--stages 3" in job.command_line()

@@ -49,6 +49,7 @@ from afd_tools.bench.prefill_matrix import (
     FULL,
     QUICK,
     WORKLOADS,
+    Sweeps,
     check_sweeps,
     expand,
     job_of,
@@ -188,6 +189,22 @@ def _run_child(job: RunJob, results: Connection) -> None:
     results.close()
 
 
+def sweeps_of(args: argparse.Namespace) -> Sweeps:
+    """The sweeps of the parsed command line (the one place that reads them)."""
+
+    def given(values: list[Any] | None) -> tuple[Any, ...] | None:
+        return None if values is None else tuple(values)
+
+    return Sweeps(
+        layouts=given(args.layout),
+        stages=given(args.stages),
+        attention_shares=given(args.attention_share),
+        rates=given(args.rate),
+        run_args=tuple(args.run_arg),
+        seed=args.seed,
+    )
+
+
 def run_prefill(args: argparse.Namespace) -> int:
     presets = args.preset or ["v2-lite", "v3-slice"]
     workloads = args.workload or list(WORKLOADS)
@@ -207,15 +224,16 @@ def run_prefill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    sweeps = sweeps_of(args)
     results: list[BenchRun] = []
     with tempfile.TemporaryDirectory(prefix="afd-bench-prefill-") as tmp:
         try:
             runs = []
             for preset in presets:
                 for workload in workloads:
-                    base = point_job(args, preset, workload, size, Path(tmp))
-                    check_sweeps(args, base)
-                    runs += [(p, job_of(base, p)) for p in expand(args, base, preset, workload)]
+                    base = point_job(sweeps, preset, workload, size, Path(tmp))
+                    check_sweeps(sweeps, base)
+                    runs += [(p, job_of(base, p)) for p in expand(sweeps, base, preset, workload)]
         except WorkloadError as exc:
             print(f"afd bench prefill: error: {exc}", file=sys.stderr)
             return 2

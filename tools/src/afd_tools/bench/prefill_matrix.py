@@ -129,6 +129,21 @@ class Point:
         return {**dataclasses.asdict(self), "modes": list(self.modes)}
 
 
+@dataclass(frozen=True)
+class Sweeps:
+    """What the benchmark varies, as given on its command line (``None``: not given, so the
+    benchmark's default or a ``--run-arg``'s value), and the rest it passes on."""
+
+    layouts: tuple[tuple[int, int], ...] | None = None
+    """``--layout``: (A, F) each."""
+    stages: tuple[int, ...] | None = None
+    attention_shares: tuple[int, ...] | None = None
+    rates: tuple[float, ...] | None = None
+    run_args: tuple[str, ...] = ()
+    """``--run-arg``: ``afd run`` options over the benchmark's settings."""
+    seed: int = 0
+
+
 def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[int] | None:
     """Prompt lengths for a workload file, or None for ``uneven`` (afd run's own preset)."""
     rng = random.Random(seed)
@@ -146,33 +161,31 @@ def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[
     return [int(center * rng.uniform(0.9, 1.1)) for _ in range(n)]
 
 
-def _job(defaults: dict[str, Any], run_args: list[str]) -> RunJob:
+def _job(defaults: dict[str, Any], run_args: tuple[str, ...]) -> RunJob:
     parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
     add_run_options(parser)
     parser.set_defaults(**defaults)
-    return job_from_args(parser.parse_args(run_args))
+    return job_from_args(parser.parse_args(list(run_args)))
 
 
-def point_job(
-    args: argparse.Namespace, preset: str, workload: str, size: Size, folder: Path
-) -> RunJob:
+def point_job(sweeps: Sweeps, preset: str, workload: str, size: Size, folder: Path) -> RunJob:
     """The ``afd run`` job of one (preset, workload) at the benchmark's first layout and
     stage count: this benchmark's settings, then the ``--run-arg`` options over them (a
     ``--run-arg`` wins). A workload other than ``uneven`` is written as a JSONL file into
     ``folder``."""
-    attention, ffn = args.layout[0] if args.layout else (1, 1)
+    attention, ffn = sweeps.layouts[0] if sweeps.layouts else (1, 1)
     defaults: dict[str, Any] = {
         "preset": preset,
         "attention_ranks": attention,
         "ffn_ranks": ffn,
-        "stages": args.stages[0] if args.stages else 2,
+        "stages": sweeps.stages[0] if sweeps.stages else 2,
         "max_num_batched_tokens": size.budget,
-        "seed": args.seed,
+        "seed": sweeps.seed,
         "no_progress": True,
     }
     if preset in size.layers:
         defaults["layers"] = size.layers[preset]
-    lengths = workload_lengths(workload, preset, size, args.seed)
+    lengths = workload_lengths(workload, preset, size, sweeps.seed)
     if lengths is None:
         defaults |= {
             "workload": "uneven",
@@ -183,55 +196,55 @@ def point_job(
         path = folder / f"{preset}-{workload}.jsonl"
         path.write_text("".join(json.dumps({"prompt_len": n}) + "\n" for n in lengths))
         defaults["workload_file"] = path
-    return _job(defaults, args.run_arg)
+    return _job(defaults, sweeps.run_args)
 
 
-def check_sweeps(args: argparse.Namespace, base: RunJob) -> None:
+def check_sweeps(sweeps: Sweeps, base: RunJob) -> None:
     """Refuse a ``--run-arg`` that sets what a given sweep option varies (or ``--mode``
     with several ``--stages``), naming both, and ``--attention-share`` where no GPU is
     shared."""
-    if args.attention_share is not None and not base.share_gpus:
+    if sweeps.attention_shares is not None and not base.share_gpus:
         raise WorkloadError(
             "--attention-share sets CUDA MPS shares of ranks sharing a GPU: add "
             "--run-arg=--device=cuda --run-arg=--share-gpus"
         )
     given = {
-        "--layout": args.layout is not None,
-        "--stages": args.stages is not None,
-        "--attention-share": args.attention_share is not None,
-        "--rate": args.rate is not None,
+        "--layout": sweeps.layouts is not None,
+        "--stages": sweeps.stages is not None,
+        "--attention-share": sweeps.attention_shares is not None,
+        "--rate": sweeps.rates is not None,
     }
-    set_here = run_arg_fields(args.run_arg)
+    set_here = run_arg_fields(sweeps.run_args)
     for name, flag in SWEPT.items():
         if given[flag] and name in set_here:
             raise WorkloadError(
                 f"{flag} sweeps what --run-arg={option(name)} sets: give it one way"
             )
-    if args.stages is not None and len(args.stages) > 1 and "mode" in set_here:
+    if sweeps.stages is not None and len(sweeps.stages) > 1 and "mode" in set_here:
         raise WorkloadError(
             "several --stages run every mode at the first and async alone at the others: "
             "drop --run-arg=--mode"
         )
 
 
-def run_arg_fields(run_args: list[str]) -> set[str]:
+def run_arg_fields(run_args: tuple[str, ...]) -> set[str]:
     """The ``afd run`` options (by field name) that ``run_args`` set, whatever the value."""
     unset = object()
     parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
     add_run_options(parser)
     names = [*SWEPT, "mode"]
     parser.set_defaults(**dict.fromkeys(names, unset))
-    parsed = vars(parser.parse_args(run_args))
+    parsed = vars(parser.parse_args(list(run_args)))
     return {name for name in names if parsed[name] is not unset}
 
 
-def expand(args: argparse.Namespace, base: RunJob, preset: str, workload: str) -> list[Point]:
+def expand(sweeps: Sweeps, base: RunJob, preset: str, workload: str) -> list[Point]:
     """Every run of one (preset, workload), in the order they run: per layout, split and
     rate, every mode at the first stage count, then async at each further one."""
-    layouts = args.layout or [(base.attention_ranks, base.ffn_ranks)]
-    shares = args.attention_share or [base.mps_attention_share]
-    rates = args.rate or [base.rate]
-    stages = args.stages or [base.stages]
+    layouts = sweeps.layouts or ((base.attention_ranks, base.ffn_ranks),)
+    shares = sweeps.attention_shares or (base.mps_attention_share,)
+    rates = sweeps.rates or (base.rate,)
+    stages = sweeps.stages or (base.stages,)
     points = []
     for attention, ffn in dict.fromkeys(layouts):
         for share in dict.fromkeys(shares):
@@ -286,6 +299,7 @@ __all__ = [
     "WORKLOADS",
     "Point",
     "Size",
+    "Sweeps",
     "check_sweeps",
     "expand",
     "job_of",
