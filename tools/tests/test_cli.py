@@ -280,3 +280,50 @@ def test_bench_prefill_uniform_has_the_uneven_total_and_refuses_docs_without_mar
         capsys.readouterr().err
     )
     assert docs.read_text() == "no markers here\n"
+
+
+def test_start_methods_run_interleaved_and_are_compared_figure_by_figure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    from afd_protocol.launch import START_METHOD_ENV
+    from afd_tools.bench.start_methods import compare_start_methods
+
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    seen: list[str] = []
+    figures = {"forkserver": iter([2.0, 4.0, 3.0]), "spawn": iter([1.0, 1.5, 2.0])}
+
+    def measure() -> dict[str, Any]:
+        method = os.environ[START_METHOD_ENV]
+        seen.append(method)
+        return {"layer": {"device": {"1024": next(figures[method]), "ok": True}}, "other": 9}
+
+    out = compare_start_methods(measure, ["forkserver", "spawn"], 3)
+    assert seen == ["forkserver", "spawn"] * 3  # A/B/A/B/A/B
+    assert os.environ[START_METHOD_ENV] == "spawn"  # restored
+    assert out["summary"] == {
+        "device/1024": {
+            "forkserver": {"median": 3.0, "low": 2.0, "high": 4.0},
+            "spawn": {"median": 1.5, "low": 1.0, "high": 2.0},
+        }
+    }
+    assert len(out["start_methods"]["spawn"]) == 3
+    row = next(line for line in capsys.readouterr().out.splitlines() if "device/1024" in line)
+    assert row.split()[-1] == "0.50"  # spawn / forkserver
+
+    def failing() -> dict[str, Any]:
+        raise RuntimeError("rank failed")
+
+    monkeypatch.delenv(START_METHOD_ENV)
+    with pytest.raises(RuntimeError, match="rank failed"):
+        compare_start_methods(failing, ["spawn"], 1)
+    assert START_METHOD_ENV not in os.environ  # left as it was found
+
+
+def test_bench_rounds_need_two_start_methods(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "transport", "--rounds", "2", "--start-method", "spawn"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "afd bench transport: error: --rounds interleaves several --start-method: give two"
+    )

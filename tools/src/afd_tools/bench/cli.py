@@ -12,6 +12,7 @@ from typing import Any
 
 from afd_protocol import FIRST_PARTY_TRANSPORTS, AFDError, get_transport, transport_names
 from afd_tools.bench import prefill
+from afd_tools.bench.start_methods import START_METHODS, compare_start_methods
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,21 @@ def add_parser(sub: Any) -> None:
         help="shm only: the wire formats of the per-layer run (per_rank_ffn: per_rank "
         "reduced on the FFN side); all runs each, side by side",
     )
+    transport.add_argument(
+        "--start-method",
+        action="append",
+        choices=START_METHODS,
+        default=None,
+        help="how rank processes start (afd's launcher: forkserver, the default, or spawn); "
+        "repeat to measure each side by side, the whole benchmark once per method in turn "
+        "(with --rounds, A/B/A/B), with a table of every per-layer figure by method",
+    )
+    transport.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with several --start-method: how many times each runs, interleaved",
+    )
     transport.add_argument("--json", type=Path, default=None, help="also write results here")
     transport.add_argument(
         "--profile",
@@ -104,9 +120,17 @@ def run_transport(args: argparse.Namespace) -> int:
         problems.append(f"--max-tokens must be >= {smallest_tokens} for --backend {args.backend}")
     if args.max_bytes < 4096:
         problems.append("--max-bytes must be >= 4096 (the smallest payload measured)")
+    if args.rounds < 1:
+        problems.append(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds > 1 and len(args.start_method or []) < 2:
+        problems.append("--rounds interleaves several --start-method: give two")
     if problems:
         return _refuse("; ".join(problems))
-    report = importlib.import_module(bench.module).run(args)
+    measure = importlib.import_module(bench.module).run
+    if args.start_method is None:
+        report = measure(args)
+    else:
+        report = compare_start_methods(lambda: measure(args), args.start_method, args.rounds)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
