@@ -370,3 +370,31 @@ def test_a_warm_up_precedes_the_first_run_of_each_preset_and_layout(tmp_path: Pa
     assert warms_up("on", cpu)
     assert not warms_up("off", dataclasses.replace(cpu, device="cuda"))
     assert warms_up("auto", dataclasses.replace(cpu, device="cuda"))
+
+
+def test_a_stopped_benchmark_keeps_the_runs_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from afd_tools.bench import prefill
+
+    calls = []
+
+    def fake_run(job: RunJob) -> tuple[int, RunReport | None]:
+        calls.append(job)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second run
+        return 1, None  # the first run failed: still recorded
+
+    monkeypatch.setattr(prefill, "run_in_fresh_process", fake_run)
+    out = tmp_path / "partial.json"
+    argv = [
+        "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
+        "--stages", "1", "--stages", "2", "--warm-up", "off", "--run-arg=--device=cpu",
+        "--json", str(out),
+    ]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    data = json.loads(out.read_text())
+    assert data["complete"] is False
+    assert data["planned_runs"] == 2
+    assert [(r["stages"], r["exit_code"]) for r in data["runs"]] == [(1, 1)]

@@ -24,8 +24,10 @@ untimed async run precedes the first timed run of each preset and A:F (``--warm-
 fresh machine otherwise compiles kernels inside the first timed mode.
 
 ``--quick`` sizes keep the GPU suite short; the full size is the default. The table is
-printed, written as JSON, and with ``--docs FILE`` replaces the block between the markers
-``<!-- afd bench prefill -->`` and ``<!-- /afd bench prefill -->`` in that file. Under the
+printed, written as JSON (rewritten after every run, ``"complete": false`` until the last,
+so a stopped benchmark keeps what it measured), and with ``--docs FILE`` replaces the
+block between the markers ``<!-- afd bench prefill -->`` and ``<!-- /afd bench prefill
+-->`` in that file. Under the
 table, a line per placement says where the ranks ran: on one GPU the ranks share it as
 clients of a CUDA MPS daemon that each afd run starts and stops, with the shares named, and
 the colocated baseline is the monolithic model on the whole GPU. afd run's other options go
@@ -239,6 +241,25 @@ def run_prefill(args: argparse.Namespace) -> int:
             return 2
         warm_ups = warm_up_plan(runs) if runs and warms_up(args.warm_up, runs[0][1]) else {}
         warmed: list[dict[str, Any]] = []
+
+        def save(complete: bool) -> None:
+            """The JSON so far (rewritten after every run, so a benchmark that is stopped
+            or killed keeps what it measured; ``complete`` says whether every run is in)."""
+            if args.json is None:
+                return
+            data = json.dumps(
+                {
+                    "size": size.__dict__,
+                    "ttft_slo_s": args.ttft_slo,
+                    "complete": complete,
+                    "planned_runs": len(runs),
+                    "warm_up": warmed,
+                    "runs": [r.to_json() for r in results],
+                },
+                indent=2,
+            )
+            write_atomically(args.json, lambda tmp: tmp.write_text(data))
+
         for index, (point, job) in enumerate(runs):
             if index in warm_ups:
                 command = warm_ups[index].command_line()
@@ -253,19 +274,11 @@ def run_prefill(args: argparse.Namespace) -> int:
             code, report = run_in_fresh_process(job)
             wall = time.perf_counter() - start
             results.append(BenchRun(point, command, code, wall, report))
+            save(complete=False)
+        save(complete=True)
     table = markdown_table(results, args.ttft_slo)
     print(table)
     if args.json is not None:
-        data = json.dumps(
-            {
-                "size": size.__dict__,
-                "ttft_slo_s": args.ttft_slo,
-                "warm_up": warmed,
-                "runs": [r.to_json() for r in results],
-            },
-            indent=2,
-        )
-        write_atomically(args.json, lambda tmp: tmp.write_text(data))
         print(f"wrote {args.json}")
     if args.docs is not None:
         update_docs(args.docs, table)
