@@ -87,8 +87,8 @@ def main(folder: str) -> int:
     else:
         rows.append(("1-GPU loop", "(no loopback-formats.json)", "FAIL"))
         failed += 1
-    # bench-prefill.json: the main job on 1-2 GPUs; bench-prefill-<A>a<F>f-s<N>.json: the
-    # 4-GPU section (issue #17), when the machine had four.
+    # bench-prefill.json: the main job on 1-2 GPUs; bench-prefill-4gpu.json: the 4-GPU
+    # section (issue #17), when the machine had four. Each run names its A:F, split and stages.
     files = sorted(
         root.glob("bench-prefill*.json"), key=lambda f: (f.name != "bench-prefill.json", f.name)
     )
@@ -98,7 +98,15 @@ def main(folder: str) -> int:
     for prefill in files:
         tag = prefill.stem.removeprefix("bench-prefill").lstrip("-")
         for entry in json.loads(prefill.read_text())["runs"]:
-            name = f"{tag + ' ' if tag else ''}{entry['preset']} {entry['workload']}"
+            layout = f"{entry.get('attention_ranks', '?')}A{entry.get('ffn_ranks', '?')}F"
+            share = entry.get("attention_share")
+            split = f" A {share} %" if share is not None else ""
+            rate = entry.get("rate")
+            arrivals = f" {rate:g}/s" if rate is not None else ""
+            name = (
+                f"{tag + ' ' if tag else ''}{entry['preset']} {entry['workload']} {layout}"
+                f"{split}{arrivals}"
+            )
             report = entry.get("report")
             if report is None:
                 rows.append(("prefill", name, f"FAIL (exit {entry['exit_code']})"))
@@ -115,7 +123,8 @@ def main(folder: str) -> int:
                     f"{b.get('dispatch_ms_per_layer', float('nan')):.2f} / combine "
                     f"{b.get('combine_ms_per_layer', float('nan')):.2f} ms"
                 )
-                rows.append(("prefill", f"{name} {mode}", outcome))
+                label = f"async N={entry.get('stages', '?')}" if mode == "async" else mode
+                rows.append(("prefill", f"{name} {label}", outcome))
                 failed += mode in bad
     width = max(len(r[1]) for r in rows)
     print("\nGPU suite summary")

@@ -94,6 +94,26 @@ def test_a_matrix_runs_every_mode_once_per_group_and_async_alone_at_the_other_st
             "drop --run-arg=--mode",
         ),
         (
+            ["--run-arg=--preset=tiny"],
+            "--run-arg=--preset: the benchmark sets it for every run (and labels its rows with "
+            "it); use --preset",
+        ),
+        (
+            ["--run-arg=--seed=3"],
+            "--run-arg=--seed: the benchmark sets it for every run (and labels its rows with "
+            "it); use --seed",
+        ),
+        (
+            ["--run-arg=--requests=100"],
+            "--run-arg=--requests: the benchmark sets it for every run (and labels its rows "
+            "with it); use the size (--quick or not)",
+        ),
+        (
+            ["--attention-share", "25", "--run-arg=--device=cuda"],
+            "--attention-share sets CUDA MPS shares of ranks sharing a GPU: add "
+            "--run-arg=--share-gpus",
+        ),
+        (
             ["--attention-share", "25"],
             "--attention-share sets CUDA MPS shares of ranks sharing a GPU: add "
             "--run-arg=--device=cuda --run-arg=--share-gpus",
@@ -125,6 +145,7 @@ def test_a_sweep_that_a_run_arg_contradicts_is_refused_before_anything_runs(
         (["--layout", "2"], "'2' is not A:F (attention replicas : FFN ranks, each >= 1), e.g. 2:1"),
         (["--layout", "0:1"], "'0:1' is not A:F"),
         (["--rate", "0"], "'0': a rate is requests per second, > 0"),
+        (["--stages", "0"], "'0': stages are a whole number >= 1"),
         (["--rate", "nan"], "'nan': a rate is requests per second, > 0"),
         (["--attention-share", "100"], "'100': an attention rank's share is a whole percent"),
     ],
@@ -226,7 +247,7 @@ def test_each_row_is_compared_with_the_sync_run_of_its_own_group() -> None:
     assert by[("A 25 / F 50", "sync")]["tokens/s vs sync"] == "-"
     assert by[("A 25 / F 50", "colocated")]["tokens/s vs sync"] == f"{400 / 200:.2f}x"
     assert by[("A 30 / F 40", "async N=1")]["tokens/s vs sync"] == f"{240 / 120:.2f}x"
-    failed = by[("-", "-")]
+    failed = by[("-", "async N=1, sync, colocated")]  # what it was to run
     assert failed["tokens/s"] == "failed (exit 2)"
     assert failed["verified (worst error)"] == "no"
     assert best_split_notes(runs) == [
@@ -398,3 +419,26 @@ def test_a_stopped_benchmark_keeps_the_runs_it_finished(
     assert data["complete"] is False
     assert data["planned_runs"] == 2
     assert [(r["stages"], r["exit_code"]) for r in data["runs"]] == [(1, 1)]
+
+
+def test_a_failed_run_names_its_split_and_modes_and_a_failed_warm_up_fails_the_bench(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afd_tools.bench import prefill
+
+    failed = BenchRun(_point(25, 2, ("async",)), "afd run", 2, 0.5, None)
+    row = next(line for line in markdown_table([failed]).splitlines() if "failed" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3:7] == ["A 25", "all at once", "async N=2", "failed (exit 2)"]
+
+    def fake_run(job: RunJob) -> tuple[int, RunReport | None]:
+        return (1, None) if job.modes == ("async",) else (0, None)
+
+    monkeypatch.setattr(prefill, "run_in_fresh_process", fake_run)
+    argv = [
+        "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
+        "--warm-up", "on", "--run-arg=--device=cpu",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "Warm-up failed (exit 1): afd run" in out

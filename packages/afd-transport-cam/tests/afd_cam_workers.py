@@ -59,6 +59,11 @@ def attention_leaves(connection: Connection) -> None:
     connection.attention_endpoint(EndpointOptions(timeout=5.0))
 
 
+def ffn_leaves(connection: Connection) -> None:
+    """Open the FFN endpoint and close without serving (a bug)."""
+    connection.ffn_endpoint(EndpointOptions(timeout=5.0))
+
+
 def ffn_linear(
     connection: Connection,
     *,

@@ -116,6 +116,32 @@ def test_ffn_ranks_stop_by_name_when_every_attention_rank_closed_without_shutdow
         assert "every attention rank closed its connection" in error, error
 
 
+def test_an_attention_rank_stops_by_name_when_an_ffn_rank_it_waits_for_closed() -> None:
+    factory = functools.partial(emulated_connection, spin_timeout=20.0)
+    ranks = [
+        RankSpec(
+            "attention",
+            r,
+            workers.attention_linear,
+            {"seed": 4, "layers": LAYERS, "tokens": [3], "timeout": 20.0},
+        )
+        for r in range(2)
+    ]
+    ranks += [
+        RankSpec("ffn", 0, workers.ffn_linear, {"seed": 4, "layers": LAYERS, "timeout": 20.0}),
+        RankSpec("ffn", 1, workers.ffn_leaves),
+    ]
+    with pytest.raises(LaunchError) as failure:
+        launch(
+            window(per_dp=1, attention=2), ranks, timeout=60, grace=15, transport_factory=factory
+        )
+    errors = [failure.value.results[f"attention rank {r}"].error or "" for r in range(2)]
+    assert all(e.startswith("PeerAborted") for e in errors), errors
+    assert any(
+        "ffn rank 1 closed its connection while this rank waits for its reply" in e for e in errors
+    ), errors
+
+
 def test_a_killed_ffn_rank_fails_its_peers_by_name_and_leaves_nothing() -> None:
     before = set(leftover_segments())
     factory = functools.partial(emulated_connection, spin_timeout=20.0)

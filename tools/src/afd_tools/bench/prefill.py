@@ -58,6 +58,7 @@ from afd_tools.bench.prefill_matrix import (
     parse_layout,
     parse_rate,
     parse_share,
+    parse_stages,
     point_job,
     warm_up_plan,
     warms_up,
@@ -106,7 +107,7 @@ def add_parser(kinds: Any) -> None:
     p.add_argument(
         "--stages",
         action="append",
-        type=int,
+        type=parse_stages,
         default=None,
         metavar="N",
         help="async mode's token-level stages, repeatable: every mode runs at the first, "
@@ -276,14 +277,19 @@ def run_prefill(args: argparse.Namespace) -> int:
             results.append(BenchRun(point, command, code, wall, report))
             save(complete=False)
         save(complete=True)
+    failed_warm_ups = [w for w in warmed if w["exit_code"] != 0]
     table = markdown_table(results, args.ttft_slo)
+    if failed_warm_ups:
+        table += "\n" + "\n".join(
+            f"Warm-up failed (exit {w['exit_code']}): {w['command']}" for w in failed_warm_ups
+        )
     print(table)
     if args.json is not None:
         print(f"wrote {args.json}")
     if args.docs is not None:
         update_docs(args.docs, table)
         print(f"updated {args.docs}")
-    return 1 if any(r.exit_code != 0 for r in results) else 0
+    return 1 if any(r.exit_code != 0 for r in results) or failed_warm_ups else 0
 
 
 def _read(path: Path) -> str:

@@ -54,6 +54,17 @@ SWEPT = {
     "rate": "--rate",
 }
 """The job fields this benchmark sweeps, and its option that sets each."""
+OWNED = {
+    "preset": "--preset",
+    "workload": "--workload",
+    "workload_file": "--workload",
+    "requests": "the size (--quick or not)",
+    "max_prompt_len": "the size (--quick or not)",
+    "seed": "--seed",
+}
+"""The job fields this benchmark sets for every run and labels its rows with (or builds its
+workload files from): a ``--run-arg`` may not set them, whatever the sweeps; the option of
+the benchmark to use instead."""
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -79,6 +90,17 @@ def parse_rate(text: str) -> float:
     if not (math.isfinite(rate) and rate > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: a rate is requests per second, > 0")
     return rate
+
+
+def parse_stages(text: str) -> int:
+    """A stage count (a whole number >= 1)."""
+    try:
+        stages = int(text)
+    except ValueError:
+        stages = 0
+    if stages < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: stages are a whole number >= 1")
+    return stages
 
 
 def parse_share(text: str) -> int:
@@ -204,9 +226,13 @@ def check_sweeps(sweeps: Sweeps, base: RunJob) -> None:
     with several ``--stages``), naming both, and ``--attention-share`` where no GPU is
     shared."""
     if sweeps.attention_shares is not None and not base.share_gpus:
+        missing = " ".join(
+            f"--run-arg={arg}"
+            for arg, needed in (("--device=cuda", base.device != "cuda"), ("--share-gpus", True))
+            if needed
+        )
         raise WorkloadError(
-            "--attention-share sets CUDA MPS shares of ranks sharing a GPU: add "
-            "--run-arg=--device=cuda --run-arg=--share-gpus"
+            f"--attention-share sets CUDA MPS shares of ranks sharing a GPU: add {missing}"
         )
     given = {
         "--layout": sweeps.layouts is not None,
@@ -215,6 +241,12 @@ def check_sweeps(sweeps: Sweeps, base: RunJob) -> None:
         "--rate": sweeps.rates is not None,
     }
     set_here = run_arg_fields(sweeps.run_args)
+    for name, instead in OWNED.items():
+        if name in set_here:
+            raise WorkloadError(
+                f"--run-arg={option(name)}: the benchmark sets it for every run (and labels "
+                f"its rows with it); use {instead}"
+            )
     for name, flag in SWEPT.items():
         if given[flag] and name in set_here:
             raise WorkloadError(
@@ -232,7 +264,7 @@ def run_arg_fields(run_args: tuple[str, ...]) -> set[str]:
     unset = object()
     parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
     add_run_options(parser)
-    names = [*SWEPT, "mode"]
+    names = [*SWEPT, *OWNED, "mode"]
     parser.set_defaults(**dict.fromkeys(names, unset))
     parsed = vars(parser.parse_args(list(run_args)))
     return {name for name in names if parsed[name] is not unset}
@@ -306,6 +338,7 @@ __all__ = [
     "parse_layout",
     "parse_rate",
     "parse_share",
+    "parse_stages",
     "point_job",
     "warm_up_plan",
     "warms_up",

@@ -45,12 +45,14 @@ def mode_label(point: Point, mode: str) -> str:
     return f"async N={point.stages}" if mode == "async" else mode
 
 
-def shares_label(report: RunReport | None) -> str:
+def shares_label(report: RunReport | None, point: Point | None = None) -> str:
     """Each role's CUDA MPS share, ``A 25 / F 50`` (every rank of a role alike) or every
-    rank's; ``-`` where no GPU was shared under MPS."""
+    rank's; ``-`` where no GPU was shared under MPS. A run without a report shows the
+    attention share it was given (``A 25``), if any."""
     shares: dict[str, int] = (report.placement.get("mps_shares") or {}) if report else {}
     if not shares:
-        return "-"
+        given = None if point is None else point.attention_share
+        return "-" if report is not None or given is None else f"A {given}"
     by_role: dict[str, set[int]] = {}
     for name, share in shares.items():
         by_role.setdefault(name.split(" rank ")[0], set()).add(int(share))
@@ -104,10 +106,11 @@ def markdown_table(results: Sequence[BenchRun], ttft_slo_s: float | None = None)
     syncs = sync_of(results)
     for entry in results:
         p, report = entry.point, entry.report
-        lead = [p.preset, p.workload, p.layout, shares_label(report), _rate_label(p.rate)]
+        lead = [p.preset, p.workload, p.layout, shares_label(report, p), _rate_label(p.rate)]
         if report is None:
+            modes = ", ".join(mode_label(p, m) for m in p.modes)
             rest = [f"failed (exit {entry.exit_code})"] + [""] * (len(header) - 8) + ["no"]
-            lines.append("| " + " | ".join([*lead, "-", *rest]) + " |")
+            lines.append("| " + " | ".join([*lead, modes, *rest]) + " |")
             continue
         sync = syncs.get(p.group)
         for mode, m in report.modes.items():

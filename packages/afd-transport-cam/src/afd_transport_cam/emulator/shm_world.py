@@ -15,7 +15,8 @@ processes are alive, every 50 ms (the NPU has neither and would hang): an aborte
 or a peer whose process is gone without having closed, fails the wait by name; a peer that
 left is not waited on for liveness (an attention rank that announced its shutdown exits
 while other replicas still work), and once every peer has left nothing more can arrive,
-so that fails the wait too.
+so that fails the wait too. On an attention rank any FFN rank that left fails the wait: it
+waits only for replies, and an FFN rank that closed sends none.
 """
 
 from __future__ import annotations
@@ -130,12 +131,31 @@ class ShmCamWorld:
 
     def check_peers(self) -> None:
         """Raise :class:`PeerAborted` when a peer aborted, died without closing, or every
-        peer has closed (module docstring)."""
+        peer has closed; on an attention rank, also when any FFN rank has closed (module
+        docstring)."""
+        running = self._running_peers()
+        try:
+            self._rendezvous.check_alive(running)
+        except PeerAborted:
+            # A peer may have closed and exited between reading its word and checking its
+            # process: its word is written before it exits, so a second read is final.
+            self._rendezvous.check_alive(self._running_peers())
+
+    def _running_peers(self) -> list[int]:
+        """The peers that neither aborted nor left (raising where that is a failure)."""
         words = [int(w) for w in self._states(self._segment)]
         failed = [self._rendezvous.describe(p) for p in self._peer_ranks if words[p] == ABORTED]
         if failed:
             raise PeerAborted(
                 f"{self._name}: {', '.join(failed)} aborted (see their own error for the cause)"
+            )
+        left = [p for p in self._peer_ranks if words[p] == LEFT]
+        if left and self._role is Role.ATTENTION:
+            # Attention ranks wait only for replies, which every FFN rank sends while any
+            # attention rank is open: an FFN rank that closed will never answer.
+            names = ", ".join(self._rendezvous.describe(p) for p in left)
+            raise PeerAborted(
+                f"{self._name}: {names} closed its connection while this rank waits for its reply"
             )
         running = [p for p in self._peer_ranks if words[p] != LEFT]
         if not running:
@@ -143,7 +163,7 @@ class ShmCamWorld:
                 f"{self._name}: every {self._role.opposite.value} rank closed its connection, "
                 f"so what this rank waits for cannot arrive"
             )
-        self._rendezvous.check_alive(running)
+        return running
 
     def _tell_peers(self, state: int) -> None:
         for segment in self._peers.values():
