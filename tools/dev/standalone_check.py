@@ -36,10 +36,22 @@ DIST = WORK / "dist"
 LOGS = WORK / "logs"
 TORCH_SITE = WORK / "torch-site"
 LOCK = REPO / "locks" / "dev.txt"
-GETS_TEST_EXTRAS = ("afd-transport-nvshmem",)
-"""Packages whose clean venv also gets ``$TEST_EXTRAS`` (the NVSHMEM host library and
-Triton: its CPU tests load the one and run the other's interpreter; large and GPU-side, so
-not declared dependencies)."""
+GETS_TEST_EXTRAS = {
+    "afd-transport-nvshmem": ("nvidia-nvshmem", "triton"),
+    "afd-models": ("triton",),
+}
+"""Packages whose clean venv also gets some of ``$TEST_EXTRAS``, by requirement name (the
+NVSHMEM host library and Triton: the transport's CPU tests load the one, and its tests and
+afd-models' run Triton kernels in the interpreter; large and GPU-side, so not declared
+dependencies)."""
+
+
+def test_extras(name: str) -> list[str]:
+    """The requirements of ``$TEST_EXTRAS`` that package ``name``'s clean venv gets."""
+    wanted = GETS_TEST_EXTRAS.get(name, ())
+    return [r for r in os.environ.get("TEST_EXTRAS", "").split() if r.startswith(wanted)]
+
+
 SHARDS = {"afd-tools": ("test_run.py",)}
 """Packages whose tests run as two pytest processes side by side in their clean venv (the
 files named, then the rest): the tools' tests are the longest (~300 s alone), and split in
@@ -106,7 +118,7 @@ def check(package_dir: Path, log: Path) -> tuple[str, str]:
             "--find-links",
             str(DIST),
             f"{wheels[-1]}[test]",
-            *(os.environ.get("TEST_EXTRAS", "").split() if name in GETS_TEST_EXTRAS else []),
+            *test_extras(name),
         ],
         log,
     ):

@@ -7,10 +7,12 @@ Every backend implements :class:`ExpertBackend` and is selected by name. Built i
 * ``grouped_mm`` -- two ``torch._grouped_mm`` calls (gate/up, then down) over the
   group offsets. It runs where the installed torch provides that operator for the
   device and dtype; anywhere else it raises :class:`BackendUnavailable` saying so.
+* ``triton`` -- two launches of a Triton grouped GEMM whose rows per expert are read on the
+  device (:mod:`afd_models.triton_grouped_gemm`: no host read, so it can be captured in a
+  CUDA graph; it can also select a layer of stacked weights by a device index). Triton is
+  imported when the backend is selected; without it, :class:`BackendUnavailable` says so.
 
-Later backends register themselves by name with :func:`register_expert_backend`: a
-Triton layer-select grouped GEMM for GPUs, and vLLM's ``fused_experts`` adapter, which
-lives in ``afd_vllm`` and imports vLLM lazily -- afd_models never imports vLLM.
+Other backends register themselves by name with :func:`register_expert_backend`.
 """
 
 from __future__ import annotations
@@ -101,6 +103,32 @@ class GroupedMMBackend(ExpertBackend):
         return out
 
 
+class TritonGroupedBackend(ExpertBackend):
+    """Two launches of the Triton grouped GEMM (gate/up, then down), SwiGLU between them in
+    torch; the group list stays on the device."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        try:
+            from afd_models import triton_grouped_gemm
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"expert backend 'triton' needs Triton ({exc}): pip install triton, or use "
+                f"backend 'reference' or 'grouped_mm'"
+            ) from exc
+        self._gemm = triton_grouped_gemm.grouped_gemm
+
+    def forward(self, work: GroupedRows, experts: ExpertWeights) -> torch.Tensor:
+        rows = work.rows
+        counts = work.group_list.to(rows.device)
+        inter = experts.intermediate_size
+        gate_up = self._gemm(rows, experts.gate_up, counts)
+        hidden = (nnf.silu(gate_up[:, :inter]) * gate_up[:, inter:]).contiguous()
+        out: torch.Tensor = self._gemm(hidden, experts.down, counts)
+        return out
+
+
 BackendFactory = Callable[[], ExpertBackend]
 _REGISTRY: dict[str, BackendFactory] = {}
 
@@ -139,3 +167,4 @@ def get_expert_backend(backend: str | ExpertBackend) -> ExpertBackend:
 
 register_expert_backend(ReferenceBackend.name, ReferenceBackend)
 register_expert_backend(GroupedMMBackend.name, GroupedMMBackend)
+register_expert_backend(TritonGroupedBackend.name, TritonGroupedBackend)

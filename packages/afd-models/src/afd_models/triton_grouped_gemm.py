@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """A grouped GEMM in Triton whose groups and layer are read on the device.
 
 ``y[rows of expert e] = x[rows of expert e] @ w[layer, e].T`` for rows grouped by expert
@@ -11,8 +12,10 @@ Work is cut into tiles of ``BLOCK_M`` rows of one expert; the tile table (which 
 first row each tile has) is computed by a few torch ops on the device from the group list.
 A batch of ``N`` rows over ``E`` experts has at most ``ceil(N / BLOCK_M) + E`` tiles, so
 the launch grid is fixed by the shapes alone; tiles past the last are idle programs.
-Accumulation is float32; the output has the input's dtype. On a CPU tensor it runs only
-under Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests it.
+Accumulation is float32; the output has the input's dtype. The reduction length ``K`` is a
+compile-time constant (a model has two: the hidden and the expert intermediate size). On a
+CPU tensor it runs only under Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI
+tests it.
 
 This module imports Triton; :mod:`afd_models.backends` imports it only when the
 ``triton`` expert backend is selected.
@@ -43,7 +46,6 @@ def _grouped_gemm_kernel(
     layer_ptr,
     num_experts,
     n_out,
-    k_in,
     stride_xm,
     stride_xk,
     stride_wl,
@@ -55,6 +57,7 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_IN: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -70,9 +73,9 @@ def _grouped_gemm_kernel(
         col_ok = cols < n_out
         w_base = w_ptr + layer.to(tl.int64) * stride_wl + expert.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
+        for k0 in tl.range(0, K_IN, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_in
+            k_ok = ks < K_IN
             a = tl.load(
                 x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                 mask=row_ok[:, None] & k_ok[None, :],
@@ -95,7 +98,7 @@ def _grouped_gemm_kernel(
 
 
 def tile_table(
-    group_list: torch.Tensor, num_rows: int, block_m: int = BLOCK_M
+    group_list: torch.Tensor, num_rows: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(offsets int64 [E + 1], tile_expert int32 [T], tile_row int64 [T])`` on the group
     list's device, ``T = ceil(num_rows / block_m) + E``: each tile's expert (``E`` for an
@@ -159,15 +162,15 @@ def grouped_gemm(
     y = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     if num_rows == 0 or experts == 0:
         return y
-    offsets, tile_expert, tile_row = tile_table(group_list.to(x.device), num_rows)
+    offsets, tile_expert, tile_row = tile_table(group_list.to(x.device), num_rows, BLOCK_M)
     grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
     _grouped_gemm_kernel[grid](
         x, w, y, offsets, tile_expert, tile_row, layer.to(x.device),
-        experts, n_out, k_in,
+        experts, n_out,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2), w.stride(3),
         y.stride(0), y.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_IN=k_in,
         IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return y
