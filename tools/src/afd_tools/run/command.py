@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from afd_models import PRESET_NAMES
+from afd_models import PRESET_NAMES, expert_backend_names
 from afd_protocol import AFDError, transport_names
 from afd_tools.outputs import json_safe, write_atomically
 from afd_tools.prefill.options import add_wire_options, add_workload_options
@@ -168,7 +168,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         default=None,
-        help="expert backend on the FFN ranks (default: reference on cpu, grouped_mm on cuda)",
+        help=f"expert backend on the FFN ranks, one of {', '.join(expert_backend_names())} "
+        f"(default: reference on cpu, grouped_mm on cuda)",
     )
     p.add_argument(
         "--seed", type=int, default=DEFAULT.seed, help="seed for weights and the workload"
