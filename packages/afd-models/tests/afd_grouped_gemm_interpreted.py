@@ -49,6 +49,26 @@ def check_layer_select() -> None:
     print("layer select by a device index: ok")
 
 
+def check_expert_stack() -> None:
+    """An FFN rank's ExpertStack: the device layer index over the stacked weights gives what
+    the per-layer views give."""
+    from afd_models import FFNRoleExecutor, preset
+
+    config = preset("tiny")
+    executor = FFNRoleExecutor(config, range(config.n_routed_experts // 2), backend="triton")
+    stack = executor.stack
+    counts = torch.tensor([3, 0, 9] + [1] * (len(stack.expert_ids) - 3))
+    x = torch.randn(
+        int(counts.sum()), config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
+    for layer in stack.moe_layers:
+        index = torch.tensor([stack.position(layer)], dtype=torch.int32)
+        got = tgg.grouped_gemm(x, stack.gate_up, counts, index)
+        want = tgg.grouped_gemm(x, stack.layer(layer).gate_up, counts)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    print(f"expert stack of {len(stack.moe_layers)} MoE layers, selected on the device: ok")
+
+
 def check_tile_table() -> None:
     counts = [0, 33, 1, 36, 0]
     offsets, expert, row = tgg.tile_table(torch.tensor(counts), sum(counts), 16)
@@ -79,6 +99,7 @@ def main() -> int:
     check_backend([5, 0, 0, 70, 2, 1], hidden=40, inter=9)
     check_backend([0, 0, 0], hidden=16, inter=16)  # no rows at all
     check_layer_select()
+    check_expert_stack()
     print("triton grouped gemm: ok")
     return 0
 

@@ -94,7 +94,7 @@ def test_backends_check_their_inputs() -> None:
 
 
 def test_registry_selects_backends_by_name() -> None:
-    assert {"reference", "grouped_mm"} <= set(expert_backend_names())
+    assert {"reference", "grouped_mm", "triton"} <= set(expert_backend_names())
     calls = []
 
     class Counting(ExpertBackend):
@@ -153,3 +153,28 @@ def test_grouped_mm_that_cannot_run_fails_clearly(monkeypatch: pytest.MonkeyPatc
 
 def test_afd_models_exports_the_registry() -> None:
     assert afd_models.register_expert_backend is register_expert_backend
+
+
+def test_an_ffn_ranks_experts_are_views_of_one_stack_equal_to_per_layer_loads() -> None:
+    from afd_models import ExpertStack, FFNRoleExecutor
+
+    config = make_preset("tiny")
+    local = (1, 3, 4)
+    executor = FFNRoleExecutor(config, local, RandomWeights(2))
+    stack = executor.stack
+    assert isinstance(stack, ExpertStack)
+    assert stack.moe_layers == tuple(config.moe_layers)
+    assert stack.gate_up.shape[:2] == (len(config.moe_layers), len(local))
+    base = stack.gate_up.untyped_storage().data_ptr()
+    for layer in config.moe_layers:
+        view = executor.experts[layer]
+        alone = ExpertWeights.load(
+            config, layer, local, RandomWeights(2), torch.float32, torch.device("cpu")
+        )
+        assert torch.equal(view.gate_up, alone.gate_up)
+        assert torch.equal(view.down, alone.down)
+        assert view.gate_up.untyped_storage().data_ptr() == base  # a view, not a copy
+        assert view.layer == layer
+    dense = next(i for i in range(config.num_hidden_layers) if i not in config.moe_layers)
+    with pytest.raises(KeyError, match=f"layer {dense} is not an MoE layer"):
+        stack.layer(dense)

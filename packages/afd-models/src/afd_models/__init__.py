@@ -31,7 +31,7 @@ from afd_models.backends import (
 from afd_models.batch import KVCache, Prompt, PromptBatch, PromptChunk, Segment, Stage
 from afd_models.config import DeepseekConfig, RopeScaling
 from afd_models.errors import BackendUnavailable, ConfigError, DeviceError, WeightsError
-from afd_models.experts import ExpertWeights, GroupedRows
+from afd_models.experts import ExpertStack, ExpertWeights, GroupedRows
 from afd_models.ffn_role import ComputeWrapper, FFNRoleExecutor
 from afd_models.gemm_check import check_gemms_write_every_output
 from afd_models.mlp import GatedMLP
@@ -75,6 +75,7 @@ __all__ = [
     "DeepseekConfig",
     "DeviceError",
     "ExpertBackend",
+    "ExpertStack",
     "ExpertWeights",
     "FFNRoleExecutor",
     "GatedMLP",

@@ -54,9 +54,26 @@ class ExpertWeights:
         """Read the given experts one tensor at a time into preallocated stacks."""
         ids = tuple(expert_ids)
         hidden, inter = config.hidden_size, config.moe_intermediate_size
-        params = ModelParams(config)
         gate_up = torch.empty(len(ids), 2 * inter, hidden, dtype=dtype, device=device)
         down = torch.empty(len(ids), hidden, inter, dtype=dtype, device=device)
+        return cls.load_into(gate_up, down, config, layer, ids, source)
+
+    @classmethod
+    def load_into(
+        cls,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        config: DeepseekConfig,
+        layer: int,
+        expert_ids: Sequence[int],
+        source: WeightSource,
+    ) -> ExpertWeights:
+        """Read the given experts into ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` (given,
+        e.g. one layer's slice of an :class:`ExpertStack`), one tensor at a time."""
+        ids = tuple(expert_ids)
+        inter = config.moe_intermediate_size
+        params = ModelParams(config)
+        dtype, device = gate_up.dtype, gate_up.device
         for local, expert in enumerate(ids):
             specs = params.expert(layer, expert)
             gate_up[local, :inter].copy_(source.get(specs["gate_proj"], dtype, device))
@@ -75,6 +92,55 @@ class ExpertWeights:
             out[specs["up_proj"].name] = self.gate_up[local, inter:]
             out[specs["down_proj"].name] = self.down[local]
         return out
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One rank's routed experts of every MoE layer in two allocations, indexed by the
+    layer's position among the MoE layers; each layer's :class:`ExpertWeights` is a view.
+    A kernel that reads the layer index on the device (the ``triton`` backend's grouped
+    GEMM) selects a layer without a copy, so a CUDA graph can serve any layer."""
+
+    moe_layers: tuple[int, ...]
+    """Model layer of each stack position."""
+    expert_ids: tuple[int, ...]
+    gate_up: torch.Tensor
+    """``[L_moe, E_local, 2 * I, H]``."""
+    down: torch.Tensor
+    """``[L_moe, E_local, H, I]``."""
+
+    @classmethod
+    def load(
+        cls,
+        config: DeepseekConfig,
+        expert_ids: Sequence[int],
+        source: WeightSource,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> ExpertStack:
+        layers = tuple(config.moe_layers)
+        ids = tuple(expert_ids)
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        shape = (len(layers), len(ids))
+        gate_up = torch.empty(*shape, 2 * inter, hidden, dtype=dtype, device=device)
+        down = torch.empty(*shape, hidden, inter, dtype=dtype, device=device)
+        for i, layer in enumerate(layers):
+            ExpertWeights.load_into(gate_up[i], down[i], config, layer, ids, source)
+        return cls(layers, ids, gate_up, down)
+
+    def position(self, layer: int) -> int:
+        """The stack position of model layer ``layer`` (``KeyError`` if not an MoE layer)."""
+        try:
+            return self.moe_layers.index(layer)
+        except ValueError:
+            raise KeyError(
+                f"layer {layer} is not an MoE layer (MoE layers: {list(self.moe_layers)})"
+            ) from None
+
+    def layer(self, layer: int) -> ExpertWeights:
+        """Model layer ``layer``'s experts: views into the stack."""
+        i = self.position(layer)
+        return ExpertWeights(layer, self.expert_ids, self.gate_up[i], self.down[i])
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from afd_models._common import resolve
 from afd_models.backends import ExpertBackend, get_expert_backend
 from afd_models.config import DeepseekConfig
 from afd_models.errors import ConfigError
-from afd_models.experts import ExpertWeights, GroupedRows
+from afd_models.experts import ExpertStack, ExpertWeights, GroupedRows
 from afd_models.mlp import GatedMLP
 from afd_models.params import ModelParams, shared_placement_of
 from afd_models.scaling import BranchScales
@@ -74,12 +74,13 @@ class FFNRoleExecutor:
         self.backend = get_expert_backend(backend)
         self.scales = BranchScales.for_dtype(config.routed_scaling_factor, dtype)
         params = ModelParams(config)
-        self.experts: dict[int, ExpertWeights] = {}
+        self.stack = ExpertStack.load(config, self.local_experts, source, dtype, self.device)
+        """Every MoE layer's routed experts in one allocation (layer-select kernels)."""
+        self.experts: dict[int, ExpertWeights] = {
+            layer: self.stack.layer(layer) for layer in config.moe_layers
+        }
         self.shared: dict[int, GatedMLP] = {}
         for layer in config.moe_layers:
-            self.experts[layer] = ExpertWeights.load(
-                config, layer, self.local_experts, source, dtype, self.device
-            )
             shared = params.shared_experts(layer)
             if self.shared_placement is SharedPlacement.FFN and shared:
                 self.shared[layer] = GatedMLP.load(shared, source, dtype, self.device)
