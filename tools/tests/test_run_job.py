@@ -49,6 +49,8 @@ def _parsed(*argv: str) -> Any:
         ({"modes": ()}, "--mode : choose from async, sync, colocated"),
         ({"modes": ("async", "fast")}, "--mode async,fast: choose from async, sync, colocated"),
         ({"modes": ("sync", "sync")}, "--mode sync,sync: each mode once"),
+        ({"ffn_graph_buckets": ()}, "--ffn-graph-buckets (): row counts >= 1, e.g. 1024,8192"),
+        ({"ffn_graph_buckets": (0, 8)}, "--ffn-graph-buckets (0, 8): row counts >= 1"),
         (
             {"wire_format": "per_choice"},
             "--combine-reduce ffn needs --wire-format per_rank (per_choice rows carry no "
@@ -112,6 +114,7 @@ def test_the_command_line_builds_the_job_field_by_field() -> None:
         RunJob(),
         RunJob(device="cpu", modes=("async",), rate=3.0, share_gpus=True, layers=2),
         RunJob(workload_file=Path("/tmp/a b.jsonl"), dtype="bfloat16", colocated="mono"),
+        RunJob(backend="triton", ffn_graph_buckets=(64, 4096)),
     ],
 )
 def test_the_command_line_of_a_job_builds_that_job(job: RunJob) -> None:
@@ -190,3 +193,17 @@ def test_a_job_run_in_a_fresh_process_answers_its_exit_code_and_report(
 
     assert run_in_fresh_process(RunJob(device="cpu", transport="nvshmem")) == (2, None)
     assert "afd run: error: --transport nvshmem needs --device cuda" in capfd.readouterr().err
+
+
+def test_ffn_graph_buckets_need_the_triton_backend_and_whole_row_counts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(WorkloadError) as caught:
+        prepare(RunJob(device="cpu", requests=4, max_prompt_len=16, ffn_graph_buckets=(64,)))
+    assert str(caught.value) == (
+        "--ffn-graph-buckets replays the triton backend's kernels, but the FFN ranks' backend "
+        "is reference: add --backend triton"
+    )
+    with pytest.raises(SystemExit):
+        _parsed("--ffn-graph-buckets", "64,x")
+    assert "'64,x': comma-separated row counts >= 1, e.g. 1024,8192" in capsys.readouterr().err

@@ -69,6 +69,34 @@ def check_expert_stack() -> None:
     print(f"expert stack of {len(stack.moe_layers)} MoE layers, selected on the device: ok")
 
 
+def check_graphed_experts() -> None:
+    """The bucketed step (eager here: no CUDA) equals the backend for every layer, a big
+    item then small ones (stale rows in the static buffer), an item beyond every bucket,
+    and no rows."""
+    from afd_models import FFNRoleExecutor, preset
+    from afd_models.graphed_experts import GraphedExperts
+
+    config = preset("tiny")
+    executor = FFNRoleExecutor(config, range(4), backend="triton", graph_buckets=(16, 64))
+    graphed = executor.graphed
+    assert isinstance(graphed, GraphedExperts)
+    assert not graphed.capture
+    assert graphed.buckets == (16, 64)
+    gen = torch.Generator().manual_seed(9)
+    for n in (60, 5, 16, 17, 0, 150):
+        counts = torch.zeros(4, dtype=torch.int64)
+        if n:
+            counts = torch.bincount(torch.randint(0, 4, (n,), generator=gen), minlength=4)
+        rows = torch.randn(n, config.hidden_size, generator=gen)
+        work = GroupedRows(rows, counts)
+        for layer in config.moe_layers:
+            got = graphed(layer, work)
+            want = executor.backend(work, executor.experts[layer])
+            assert got.shape == (n, config.hidden_size), got.shape
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    print("graphed experts over buckets (16, 64), eager on CPU: ok")
+
+
 def check_tile_table() -> None:
     counts = [0, 33, 1, 36, 0]
     offsets, expert, row = tgg.tile_table(torch.tensor(counts), sum(counts), 16)
@@ -100,6 +128,7 @@ def main() -> int:
     check_backend([0, 0, 0], hidden=16, inter=16)  # no rows at all
     check_layer_select()
     check_expert_stack()
+    check_graphed_experts()
     print("triton grouped gemm: ok")
     return 0
 

@@ -93,3 +93,47 @@ def test_a_cuda_graph_of_the_grouped_gemm_replays_new_counts_and_layers() -> Non
             if n:
                 assert float((got - want).norm() / want.norm()) <= 1e-2
             start += n
+
+
+def test_graph_buckets_need_the_triton_backend_and_sane_sizes() -> None:
+    pytest.importorskip("triton")
+    from afd_models import ConfigError, FFNRoleExecutor, preset
+
+    config = preset("tiny")
+    with pytest.raises(ConfigError, match="graph_buckets runs the triton backend's kernels"):
+        FFNRoleExecutor(config, range(4), graph_buckets=(16,))
+    with pytest.raises(ConfigError, match="graph buckets must be row counts >= 1"):
+        FFNRoleExecutor(config, range(4), backend="triton", graph_buckets=(0, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_graph_replays_equal_eager_steps_for_every_layer_and_size() -> None:
+    """FFNRoleExecutor with graph buckets on CUDA: the captured step, replayed for each
+    layer and item size (a large item, then smaller ones over its stale rows, one beyond
+    every bucket), equals the eager triton step bit for bit."""
+    from afd_models import FFNRoleExecutor, RandomWeights, preset
+    from afd_models.graphed_experts import GraphedExperts
+
+    config = preset("v2-lite", num_layers=3)
+    executor = FFNRoleExecutor(
+        config,
+        range(16),
+        RandomWeights(0),
+        dtype=torch.bfloat16,
+        device="cuda",
+        backend="triton",
+        graph_buckets=(256, 2048),
+    )
+    graphed = executor.graphed
+    assert graphed is not None
+    assert graphed.capture
+    eager = GraphedExperts(executor.stack, graphed.buckets, capture=False)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for n in (2000, 37, 256, 3000):
+        ids = torch.randint(0, 16, (n,), generator=gen, device="cuda")
+        counts = torch.bincount(ids, minlength=16)
+        rows = torch.randn(n, config.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        work = GroupedRows(rows, counts)
+        for layer in config.moe_layers:
+            assert torch.equal(graphed(layer, work), eager(layer, work)), (n, layer)

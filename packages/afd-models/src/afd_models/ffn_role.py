@@ -22,6 +22,7 @@ from afd_models.backends import ExpertBackend, get_expert_backend
 from afd_models.config import DeepseekConfig
 from afd_models.errors import ConfigError
 from afd_models.experts import ExpertStack, ExpertWeights, GroupedRows
+from afd_models.graphed_experts import GraphedExperts
 from afd_models.mlp import GatedMLP
 from afd_models.params import ModelParams, shared_placement_of
 from afd_models.scaling import BranchScales
@@ -60,7 +61,11 @@ class FFNRoleExecutor:
         device: torch.device | str = "cpu",
         backend: str | ExpertBackend = "reference",
         shared_placement: SharedPlacement | str = SharedPlacement.ATTENTION,
+        graph_buckets: Sequence[int] | None = None,
     ) -> None:
+        """``graph_buckets``: run the routed experts as CUDA-graph replays, one graph per
+        bucket of rows (:class:`~afd_models.graphed_experts.GraphedExperts`; needs
+        ``backend="triton"``, whose kernels the graphs hold; eager where not on CUDA)."""
         source, self.dtype, self.device = resolve(weights, dtype, device)
         self.config = config
         self.local_experts = tuple(local_experts)
@@ -79,6 +84,14 @@ class FFNRoleExecutor:
         self.experts: dict[int, ExpertWeights] = {
             layer: self.stack.layer(layer) for layer in config.moe_layers
         }
+        self.graphed: GraphedExperts | None = None
+        if graph_buckets is not None:
+            if self.backend.name != "triton":
+                raise ConfigError(
+                    f"graph_buckets runs the triton backend's kernels, but the backend is "
+                    f"{self.backend.name!r}: pass backend='triton' (or no graph_buckets)"
+                )
+            self.graphed = GraphedExperts(self.stack, graph_buckets)
         self.shared: dict[int, GatedMLP] = {}
         for layer in config.moe_layers:
             shared = params.shared_experts(layer)
@@ -105,7 +118,10 @@ class FFNRoleExecutor:
             # expanded here), and the reply it wants (reduced with the weights, or not).
             rows, group_list = part.grouped()
             work = GroupedRows(rows.to(self.device), group_list)
-            routed.append(part.finish(self.backend(work, experts)))
+            if self.graphed is not None:
+                routed.append(part.finish(self.graphed(item.layer, work)))
+            else:
+                routed.append(part.finish(self.backend(work, experts)))
             if part.shared_rows.shape[0]:
                 shared.append(self._shared(item.layer, part.shared_rows.to(self.device)))
         routed_out = torch.cat(routed) if routed else self._empty()

@@ -172,6 +172,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         f"(default: reference on cpu, grouped_mm on cuda)",
     )
     p.add_argument(
+        "--ffn-graph-buckets",
+        type=_row_counts,
+        default=None,
+        metavar="ROWS,ROWS,...",
+        help="FFN ranks on cuda: run the routed experts as CUDA-graph replays, one graph per "
+        "bucket of rows (a larger item runs eagerly); needs --backend triton",
+    )
+    p.add_argument(
         "--seed", type=int, default=DEFAULT.seed, help="seed for weights and the workload"
     )
     p.add_argument(
@@ -191,6 +199,19 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write every number here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG timeline here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _row_counts(text: str) -> tuple[int, ...]:
+    """``"1024,8192"`` -> ``(1024, 8192)`` (an ``argparse`` type)."""
+    try:
+        counts = tuple(int(word) for word in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: comma-separated row counts >= 1, e.g. 1024,8192"
+        )
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:

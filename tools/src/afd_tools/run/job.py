@@ -97,6 +97,9 @@ class RunJob:
     transport: str | None = None
     cam_dynamic_quant: bool = False
     backend: str | None = None
+    ffn_graph_buckets: tuple[int, ...] | None = None
+    """FFN ranks: the routed experts as CUDA-graph replays, one graph per bucket of rows
+    (``afd_models.GraphedExperts``; needs the ``triton`` backend)."""
     # seeds and limits
     seed: int = 0
     """Seeds the weights and the workload."""
@@ -134,6 +137,12 @@ class RunJob:
         if self.max_num_batched_tokens < 1:
             raise WorkloadError(
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.ffn_graph_buckets is not None and (
+            not self.ffn_graph_buckets or min(self.ffn_graph_buckets) < 1
+        ):
+            raise WorkloadError(
+                f"--ffn-graph-buckets {self.ffn_graph_buckets}: row counts >= 1, e.g. 1024,8192"
             )
         if self.tie_margin is not None and not 0 <= self.tie_margin <= 1:
             raise WorkloadError(f"--tie-margin must be within [0, 1], got {self.tie_margin}")
@@ -177,6 +186,8 @@ class RunJob:
                 words += ["--mode", self.mode_option]
             elif isinstance(value, bool):
                 words.append(option(f.name))
+            elif isinstance(value, tuple):
+                words += [option(f.name), ",".join(str(v) for v in value)]
             else:
                 words += [option(f.name), str(value)]
         return " ".join(shlex.quote(w) for w in words)

@@ -146,6 +146,7 @@ def _afd_launch(plan: RunPlan, progress: Connection) -> Launch:
                 "seed": job.seed,
                 "timeout": job.timeout,
                 "backend": job.backend,
+                "graph_buckets": job.ffn_graph_buckets,
                 "device": placement.ffn[r],
                 "num_stages": job.stages,
             },

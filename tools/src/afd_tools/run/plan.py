@@ -138,6 +138,11 @@ def _resolve(job: RunJob) -> tuple[RunJob, Placement]:
     job = dataclasses.replace(
         job, dtype=dtype, backend=backend, transport=job.transport or defaults["transport"]
     )
+    if job.ffn_graph_buckets is not None and backend != "triton":
+        raise WorkloadError(
+            f"--ffn-graph-buckets replays the triton backend's kernels, but the FFN ranks' "
+            f"backend is {backend}: add --backend triton"
+        )
     transport = get_transport(job.resolved("transport"))
     transport.check_device(kind, transport_option="--transport", device_option="--device")
     placement = place(kind, job.attention_ranks, job.ffn_ranks, job.share_gpus, job.colocated)

@@ -37,6 +37,7 @@ def ffn_rank(
     timeout: float,
     device: str = "cpu",
     num_stages: int = 1,
+    graph_buckets: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     slot = connection.layout
     where = rank_device(connection, device)
@@ -48,6 +49,7 @@ def ffn_rank(
         device=where,
         backend=backend,
         shared_placement=slot.shared_placement,
+        graph_buckets=graph_buckets,
     )
     options = EndpointOptions(
         timeout=timeout, num_layers=config.num_hidden_layers, num_stages=num_stages
