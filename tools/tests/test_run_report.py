@@ -263,3 +263,27 @@ def test_the_simulator_reads_a_real_run_report_as_before(tmp_path: Path) -> None
     assert run.wire == Wire("per_rank", "ffn", "attention")
     assert run.workload == "uneven"
     assert run.modes["async"].tokens_per_s > 0
+
+
+def test_calibration_refuses_runs_measured_at_different_sm_splits() -> None:
+    from afd_tools.sim.calibrate import fit_runs
+    from afd_tools.sim.measured import measured_run
+
+    def at(shares: dict[str, int]) -> Any:
+        report = dataclasses.replace(_report(), placement={"kind": "cuda", "mps_shares": shares})
+        return measured_run(report, "run.json")
+
+    half = at({"attention rank 0": 25, "attention rank 1": 25, "ffn rank 0": 50})
+    quarter = at({"attention rank 0": 25, "attention rank 1": 25, "ffn rank 0": 25})
+    assert half.split == "attention 25 %, ffn 50 %"
+    assert at({}).split == "no MPS shares"
+    assert at({"attention rank 0": 20, "attention rank 1": 30}).split == (
+        "attention rank 0 20 %, attention rank 1 30 %"
+    )
+    with pytest.raises(SimError) as caught:
+        fit_runs([half, quarter])
+    assert str(caught.value) == (
+        "the runs were measured at different SM splits under CUDA MPS (attention 25 %, ffn "
+        "25 %; attention 25 %, ffn 50 %): the cost model has no share term, so one calibration "
+        "holds one split; calibrate each split separately"
+    )

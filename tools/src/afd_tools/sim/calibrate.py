@@ -232,6 +232,13 @@ def fit_runs(
         raise SimError(
             f"the runs mix presets/layers/dtypes/devices {mixed}; calibrate each separately"
         )
+    splits = sorted({r.split for r in runs})
+    if len(splits) > 1:
+        raise SimError(
+            f"the runs were measured at different SM splits under CUDA MPS ({'; '.join(splits)}):"
+            f" the cost model has no share term, so one calibration holds one split; "
+            f"calibrate each split separately"
+        )
     best: tuple[float, Calibration, dict[str, str]] | None = None
     points = [(c, n, i) for c in cores_grid for n in notify_grid for i in idle_grid]
     for index, (cores, notify, idle) in enumerate(points):

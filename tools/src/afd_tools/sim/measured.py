@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,22 @@ class MeasuredRun:
     deployment: Deployment
     requests: tuple[Request, ...]
     modes: dict[str, ModeSummary]
+    mps_shares: dict[str, int] = field(default_factory=dict)
+    """Each AFD rank's CUDA MPS share in percent, by rank name (empty: no GPU was shared
+    under MPS, or a report from before it was recorded)."""
+
+    @property
+    def split(self) -> str:
+        """The ranks' SM split: ``attention 25 %, ffn 50 %`` (a role's ranks alike), every
+        rank's share otherwise, or ``no MPS shares``."""
+        if not self.mps_shares:
+            return "no MPS shares"
+        by_role: dict[str, set[int]] = {}
+        for name, share in self.mps_shares.items():
+            by_role.setdefault(name.split(" rank ")[0], set()).add(share)
+        if all(len(v) == 1 for v in by_role.values()):
+            return ", ".join(f"{role} {next(iter(v))} %" for role, v in sorted(by_role.items()))
+        return ", ".join(f"{name} {share} %" for name, share in sorted(self.mps_shares.items()))
 
     @property
     def device(self) -> str:
@@ -123,6 +139,7 @@ def measured_run(report: RunReport, where: str) -> MeasuredRun:
             Request(r.request_id, r.prompt_len, r.arrival, r.replica) for r in report.requests
         ),
         modes=dict(report.modes),
+        mps_shares={str(k): int(v) for k, v in report.placement.get("mps_shares", {}).items()},
     )
 
 
