@@ -51,6 +51,8 @@ class GraphedExperts:
     ) -> None:
         from afd_models import triton_grouped_gemm  # Triton only when graphs are wanted
 
+        self._tgg = triton_grouped_gemm
+
         sizes = sorted(set(buckets))
         if not sizes or sizes[0] < 1:
             raise ConfigError(f"graph buckets must be row counts >= 1, got {list(buckets)}")
@@ -58,7 +60,10 @@ class GraphedExperts:
         self.buckets = tuple(sizes)
         self._gemm = triton_grouped_gemm.grouped_gemm
         device = stack.gate_up.device
+        self.device = device
         self.capture = device.type == "cuda" if capture is None else capture
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        """One memory pool for every bucket's graph."""
         if self.capture and device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device; the experts are on {device}")
         hidden = stack.down.shape[2]
@@ -75,23 +80,27 @@ class GraphedExperts:
             self._buckets[size] = bucket
 
     def _step(self, rows: torch.Tensor, counts: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
-        """gate/up GEMM, SwiGLU, down GEMM for the stack's layer at ``layer``."""
+        """gate/up GEMM, SwiGLU, down GEMM for the stack's layer at ``layer`` (one tile
+        table for both GEMMs: the same rows)."""
         inter = self.stack.down.shape[3]
-        gate_up = self._gemm(rows, self.stack.gate_up, counts, layer)
+        table = self._tgg.tile_table(counts, rows.shape[0], self._tgg.BLOCK_M)
+        gate_up = self._gemm(rows, self.stack.gate_up, counts, layer, table)
         hidden = (nnf.silu(gate_up[:, :inter]) * gate_up[:, inter:]).contiguous()
-        out: torch.Tensor = self._gemm(hidden, self.stack.down, counts, layer)
+        out: torch.Tensor = self._gemm(hidden, self.stack.down, counts, layer, table)
         return out
 
     def _capture(self, bucket: _Bucket) -> None:
-        # Compile and warm up on a side stream first, as torch's graph capture wants.
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step(bucket.rows, bucket.counts, bucket.layer)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            bucket.out = self._step(bucket.rows, bucket.counts, bucket.layer)
+        with torch.cuda.device(self.device):
+            # Compile and warm up on a side stream first, as torch's graph capture wants.
+            side = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(bucket.rows, bucket.counts, bucket.layer)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a transport thread's CUDA calls elsewhere do not break capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                bucket.out = self._step(bucket.rows, bucket.counts, bucket.layer)
         bucket.graph = graph
 
     def bucket_for(self, num_rows: int) -> int | None:
@@ -114,7 +123,8 @@ class GraphedExperts:
         bucket.counts.copy_(work.group_list)
         bucket.layer.fill_(position)
         if bucket.graph is not None:
-            bucket.graph.replay()
+            with torch.cuda.device(self.device):
+                bucket.graph.replay()
         else:
             bucket.out = self._step(bucket.rows, bucket.counts, bucket.layer)
         assert bucket.out is not None

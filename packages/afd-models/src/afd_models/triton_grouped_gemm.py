@@ -23,6 +23,7 @@ This module imports Triton; :mod:`afd_models.backends` imports it only when the
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -130,18 +131,24 @@ def _check_runs_here(t: torch.Tensor) -> None:
     )
 
 
+TileTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""What :func:`tile_table` returns; one table serves every GEMM over the same rows."""
+
+
 def grouped_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     group_list: torch.Tensor,
     layer: torch.Tensor | None = None,
+    table: TileTable | None = None,
 ) -> torch.Tensor:
     """``[N, N_out]``: row block of expert ``e`` times ``w[layer, e].T`` (module docstring).
 
     ``x``: ``[N, K]`` rows grouped by expert; ``w``: ``[E, N_out, K]`` or ``[L, E, N_out,
     K]`` in ``x``'s dtype on its device; ``group_list``: int ``[E]`` rows per expert, summing
     to ``N``, on the device; ``layer``: int ``[1]`` on the device (required with a 4-D
-    ``w``)."""
+    ``w``); ``table``: :func:`tile_table` of these rows at :data:`BLOCK_M` when the caller
+    has it (two GEMMs over the same rows share one)."""
     _check_runs_here(x)
     if w.dim() == 3:
         if layer is not None:
@@ -162,15 +169,19 @@ def grouped_gemm(
     y = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     if num_rows == 0 or experts == 0:
         return y
-    offsets, tile_expert, tile_row = tile_table(group_list.to(x.device), num_rows, BLOCK_M)
+    if table is None:
+        table = tile_table(group_list.to(x.device), num_rows, BLOCK_M)
+    offsets, tile_expert, tile_row = table
     grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
-    _grouped_gemm_kernel[grid](
-        x, w, y, offsets, tile_expert, tile_row, layer.to(x.device),
-        experts, n_out,
-        x.stride(0), x.stride(1),
-        w.stride(0), w.stride(1), w.stride(2), w.stride(3),
-        y.stride(0), y.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_IN=k_in,
-        IEEE=x.dtype == torch.float32,
-    )  # fmt: skip
+    # Triton launches on the current device: make it the tensors' (an FFN rank on cuda:1).
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _grouped_gemm_kernel[grid](
+            x, w, y, offsets, tile_expert, tile_row, layer.to(x.device),
+            experts, n_out,
+            x.stride(0), x.stride(1),
+            w.stride(0), w.stride(1), w.stride(2), w.stride(3),
+            y.stride(0), y.stride(1),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_IN=k_in,
+            IEEE=x.dtype == torch.float32,
+        )  # fmt: skip
     return y
