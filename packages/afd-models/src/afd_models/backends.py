@@ -117,16 +117,11 @@ class TritonGroupedBackend(ExpertBackend):
                 f"expert backend 'triton' needs Triton ({exc}): pip install triton, or use "
                 f"backend 'reference' or 'grouped_mm'"
             ) from exc
-        self._gemm = triton_grouped_gemm.grouped_gemm
+        self._step = triton_grouped_gemm.expert_step
 
     def forward(self, work: GroupedRows, experts: ExpertWeights) -> torch.Tensor:
-        rows = work.rows
-        counts = work.group_list.to(rows.device)
-        inter = experts.intermediate_size
-        gate_up = self._gemm(rows, experts.gate_up, counts)
-        hidden = (nnf.silu(gate_up[:, :inter]) * gate_up[:, inter:]).contiguous()
-        out: torch.Tensor = self._gemm(hidden, experts.down, counts)
-        return out
+        counts = work.group_list.to(work.rows.device)
+        return self._step(work.rows, experts.gate_up, experts.down, counts)
 
 
 BackendFactory = Callable[[], ExpertBackend]

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as nnf
 
 from afd_models.errors import ConfigError
 from afd_models.experts import ExpertStack, GroupedRows
@@ -51,14 +50,12 @@ class GraphedExperts:
     ) -> None:
         from afd_models import triton_grouped_gemm  # Triton only when graphs are wanted
 
-        self._tgg = triton_grouped_gemm
-
         sizes = sorted(set(buckets))
         if not sizes or sizes[0] < 1:
             raise ConfigError(f"graph buckets must be row counts >= 1, got {list(buckets)}")
         self.stack = stack
         self.buckets = tuple(sizes)
-        self._gemm = triton_grouped_gemm.grouped_gemm
+        self._expert_step = triton_grouped_gemm.expert_step
         device = stack.gate_up.device
         self.device = device
         self.capture = device.type == "cuda" if capture is None else capture
@@ -80,14 +77,8 @@ class GraphedExperts:
             self._buckets[size] = bucket
 
     def _step(self, rows: torch.Tensor, counts: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
-        """gate/up GEMM, SwiGLU, down GEMM for the stack's layer at ``layer`` (one tile
-        table for both GEMMs: the same rows)."""
-        inter = self.stack.down.shape[3]
-        table = self._tgg.tile_table(counts, rows.shape[0], self._tgg.BLOCK_M)
-        gate_up = self._gemm(rows, self.stack.gate_up, counts, layer, table)
-        hidden = (nnf.silu(gate_up[:, :inter]) * gate_up[:, inter:]).contiguous()
-        out: torch.Tensor = self._gemm(hidden, self.stack.down, counts, layer, table)
-        return out
+        """The expert step of the stack's layer at position ``layer``."""
+        return self._expert_step(rows, self.stack.gate_up, self.stack.down, counts, layer)
 
     def _capture(self, bucket: _Bucket) -> None:
         with torch.cuda.device(self.device):

@@ -29,6 +29,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.nn import functional as nnf
 
 from afd_models.errors import BackendUnavailable
 
@@ -185,3 +186,25 @@ def grouped_gemm(
             IEEE=x.dtype == torch.float32,
         )  # fmt: skip
     return y
+
+
+def expert_step(
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    group_list: torch.Tensor,
+    layer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[N, H]``: every row through its expert, unit weight -- gate/up GEMM, SwiGLU, down
+    GEMM, the two GEMMs sharing one tile table (the same rows).
+
+    ``rows``: ``[N, H]`` grouped by expert; ``gate_up``: ``[E, 2I, H]`` and ``down``:
+    ``[E, H, I]``, or every layer's ``[L, E, ...]`` with ``layer`` (int ``[1]``) on the
+    device selecting one; ``group_list``: int ``[E]`` rows per expert on the device."""
+    inter = down.shape[-1]
+    table = None
+    if rows.shape[0] and group_list.numel():
+        table = tile_table(group_list.to(rows.device), rows.shape[0], BLOCK_M)
+    hidden = grouped_gemm(rows, gate_up, group_list, layer, table)
+    hidden = (nnf.silu(hidden[:, :inter]) * hidden[:, inter:]).contiguous()
+    return grouped_gemm(hidden, down, group_list, layer, table)
