@@ -263,17 +263,9 @@ def run_prefill(args: argparse.Namespace) -> int:
 
         for index, (point, job) in enumerate(runs):
             if index in warm_ups:
-                command = warm_ups[index].command_line()
-                print(f"[warm-up, not timed] {command}", flush=True)
-                start = time.perf_counter()
-                code, _ = run_in_fresh_process(warm_ups[index])
-                wall = time.perf_counter() - start
+                command, code, wall, _ = _run_announced(warm_ups[index], "warm-up, not timed")
                 warmed.append({"command": command, "exit_code": code, "wall_s": wall})
-            command = job.command_line()
-            print(f"[{index + 1}/{len(runs)}] {command}", flush=True)
-            start = time.perf_counter()
-            code, report = run_in_fresh_process(job)
-            wall = time.perf_counter() - start
+            command, code, wall, report = _run_announced(job, f"{index + 1}/{len(runs)}")
             results.append(BenchRun(point, command, code, wall, report))
             save(complete=False)
         save(complete=True)
@@ -290,6 +282,16 @@ def run_prefill(args: argparse.Namespace) -> int:
         update_docs(args.docs, table)
         print(f"updated {args.docs}")
     return 1 if any(r.exit_code != 0 for r in results) or failed_warm_ups else 0
+
+
+def _run_announced(job: RunJob, tag: str) -> tuple[str, int, float, RunReport | None]:
+    """Print ``[tag] command``, run ``job`` in a fresh process: (command, exit code, wall
+    seconds, report)."""
+    command = job.command_line()
+    print(f"[{tag}] {command}", flush=True)
+    start = time.perf_counter()
+    code, report = run_in_fresh_process(job)
+    return command, code, time.perf_counter() - start, report
 
 
 def _read(path: Path) -> str:

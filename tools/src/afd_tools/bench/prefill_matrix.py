@@ -183,11 +183,16 @@ def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[
     return [int(center * rng.uniform(0.9, 1.1)) for _ in range(n)]
 
 
-def _job(defaults: dict[str, Any], run_args: tuple[str, ...]) -> RunJob:
+def _parse_run_args(run_args: tuple[str, ...], defaults: dict[str, Any]) -> argparse.Namespace:
+    """``run_args`` parsed as ``afd run``'s options over ``defaults``."""
     parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
     add_run_options(parser)
     parser.set_defaults(**defaults)
-    return job_from_args(parser.parse_args(list(run_args)))
+    return parser.parse_args(list(run_args))
+
+
+def _job(defaults: dict[str, Any], run_args: tuple[str, ...]) -> RunJob:
+    return job_from_args(_parse_run_args(run_args, defaults))
 
 
 def point_job(sweeps: Sweeps, preset: str, workload: str, size: Size, folder: Path) -> RunJob:
@@ -262,11 +267,8 @@ def check_sweeps(sweeps: Sweeps, base: RunJob) -> None:
 def run_arg_fields(run_args: tuple[str, ...]) -> set[str]:
     """The ``afd run`` options (by field name) that ``run_args`` set, whatever the value."""
     unset = object()
-    parser = argparse.ArgumentParser(prog="afd bench prefill --run-arg", add_help=False)
-    add_run_options(parser)
     names = [*SWEPT, *OWNED, "mode"]
-    parser.set_defaults(**dict.fromkeys(names, unset))
-    parsed = vars(parser.parse_args(list(run_args)))
+    parsed = vars(_parse_run_args(run_args, dict.fromkeys(names, unset)))
     return {name for name in names if parsed[name] is not unset}
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from afd_tools.bench.prefill_matrix import Point
 from afd_tools.outputs import json_safe
 from afd_tools.prefill.metrics import ModeSummary
-from afd_tools.prefill.run_report import RunReport
+from afd_tools.prefill.run_report import RunReport, role_shares
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,10 @@ def shares_label(report: RunReport | None, point: Point | None = None) -> str:
     if not shares:
         given = None if point is None else point.attention_share
         return "-" if report is not None or given is None else f"A {given}"
-    by_role: dict[str, set[int]] = {}
-    for name, share in shares.items():
-        by_role.setdefault(name.split(" rank ")[0], set()).add(int(share))
-    if all(len(v) == 1 for v in by_role.values()):
+    roles = role_shares(shares)
+    if roles is not None:
         letters = {"attention": "A", "ffn": "F"}
-        return " / ".join(f"{letters.get(r, r)} {next(iter(v))}" for r, v in by_role.items())
+        return " / ".join(f"{letters.get(r, r)} {share}" for r, share in roles.items())
     return ", ".join(f"{name} {share}" for name, share in shares.items())
 
 

@@ -156,6 +156,18 @@ class RunReport:
         )
 
 
+def role_shares(mps_shares: dict[str, int]) -> dict[str, int] | None:
+    """Each role's CUDA MPS share (``{"attention": 25, "ffn": 50}``) from the report's
+    per-rank ``mps_shares`` (``"attention rank 0": 25, ...``), in the order the roles
+    appear; ``None`` where the ranks of a role hold different shares."""
+    by_role: dict[str, set[int]] = {}
+    for name, share in mps_shares.items():
+        by_role.setdefault(name.split(" rank ")[0], set()).add(int(share))
+    if any(len(values) != 1 for values in by_role.values()):
+        return None
+    return {role: next(iter(values)) for role, values in by_role.items()}
+
+
 def _request_json(request: Request) -> dict[str, Any]:
     out = dict(request.__dict__)
     if request.tokens is not None:

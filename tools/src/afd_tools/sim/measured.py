@@ -20,7 +20,7 @@ from typing import Any
 
 from afd_models import DeepseekConfig, preset
 from afd_tools.prefill.metrics import ModeSummary
-from afd_tools.prefill.run_report import Deployment, RunReport
+from afd_tools.prefill.run_report import Deployment, RunReport, role_shares
 from afd_tools.prefill.typed_json import ReportError
 from afd_tools.prefill.workload import Request
 from afd_tools.sim.costs import SimError, Wire
@@ -46,11 +46,9 @@ class MeasuredRun:
         rank's share otherwise, or ``no MPS shares``."""
         if not self.mps_shares:
             return "no MPS shares"
-        by_role: dict[str, set[int]] = {}
-        for name, share in self.mps_shares.items():
-            by_role.setdefault(name.split(" rank ")[0], set()).add(share)
-        if all(len(v) == 1 for v in by_role.values()):
-            return ", ".join(f"{role} {next(iter(v))} %" for role, v in sorted(by_role.items()))
+        roles = role_shares(self.mps_shares)
+        if roles is not None:
+            return ", ".join(f"{role} {share} %" for role, share in sorted(roles.items()))
         return ", ".join(f"{name} {share} %" for name, share in sorted(self.mps_shares.items()))
 
     @property
