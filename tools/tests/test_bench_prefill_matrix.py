@@ -442,3 +442,12 @@ def test_a_failed_run_names_its_split_and_modes_and_a_failed_warm_up_fails_the_b
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "Warm-up failed (exit 1): afd run" in out
+
+
+@pytest.mark.parametrize("slo", ["0", "-1", "nan", "inf"])
+def test_a_ttft_slo_that_is_not_a_finite_positive_time_is_refused(
+    slo: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "prefill", "--quick", "--preset", "tiny", "--ttft-slo", slo]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("afd bench prefill: error: --ttft-slo must be a finite number of")

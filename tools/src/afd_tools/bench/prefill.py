@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import sys
 import tempfile
@@ -221,9 +222,10 @@ def run_prefill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.ttft_slo is not None and not args.ttft_slo > 0:
+    if args.ttft_slo is not None and not (math.isfinite(args.ttft_slo) and args.ttft_slo > 0):
         print(
-            f"afd bench prefill: error: --ttft-slo must be > 0 s, got {args.ttft_slo}",
+            f"afd bench prefill: error: --ttft-slo must be a finite number of seconds > 0, "
+            f"got {args.ttft_slo}",
             file=sys.stderr,
         )
         return 2
