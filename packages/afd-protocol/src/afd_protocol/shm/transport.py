@@ -160,7 +160,15 @@ class ShmTransport(WindowTransport):
                 )
             now = time.monotonic()
             if now >= next_liveness:
-                self._rendezvous.check_alive(watched_world)
+                try:
+                    self._rendezvous.check_alive(watched_world)
+                except PeerAborted:
+                    # A peer may publish (its last message, or its shutdown) and exit
+                    # between the flag read and this check: what it sent has arrived.
+                    current = self._flags.index_select(0, index)
+                    if not torch.equal(current, last):
+                        return Arrivals([int(v) for v in current.tolist()])
+                    raise
                 next_liveness = now + self._liveness_interval
             if now >= deadline:
                 raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
