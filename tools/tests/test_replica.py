@@ -305,3 +305,29 @@ def test_a_mode_starts_with_every_replica_and_steps_together_only_when_lockstepp
     assert setup.loop.sizes == [lockstep if mode.lockstepped else None]
     assert setup.timed.totals.layers == 0
     assert result.layer_times == {}
+
+
+def test_warm_up_runs_the_small_batch_and_on_a_gpu_the_largest_step_of_real_prompts() -> None:
+    requests = [Request(i, n, 0.0) for i, n in enumerate([5, 9, 30])]
+    loop, _ = _loop(requests, max_tokens=16)
+
+    small, largest = loop.warm_up_batches(largest_step=True)
+    assert [t.tolist() for t in small] == [[0, 0, 0, 0]]
+    # The first requests' own tokens, whole, until the step's budget: 5 + 9 + 2 of the third.
+    assert [t.tolist() for t in largest] == [
+        list(range(5)),
+        list(range(100, 109)),
+        [200, 201],
+    ]
+    assert [[t.tolist() for t in b] for b in loop.warm_up_batches(largest_step=False)] == [
+        [[0, 0, 0, 0]]
+    ]
+
+
+def test_warm_up_batches_are_as_many_on_a_replica_without_requests() -> None:
+    """Ranks that step together (colocated DP+EP) must run as many warm-up batches."""
+    empty, _ = _loop([], max_tokens=3)
+    busy, _ = _loop([Request(0, 8, 0.0)], max_tokens=3)
+    assert len(empty.warm_up_batches(True)) == len(busy.warm_up_batches(True)) == 2
+    assert [[t.tolist() for t in b] for b in empty.warm_up_batches(True)] == [[[0, 0, 0]], [[0]]]
+    assert [t.tolist() for t in busy.warm_up_batches(True)[1]] == [[0, 1, 2]]

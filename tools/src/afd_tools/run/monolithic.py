@@ -78,7 +78,8 @@ def monolithic_replica(
     loop = ChunkLoop(
         requests, max_tokens, prompts, log, progress, f"monolithic rank {connection.rank}"
     )
-    model.forward([torch.zeros(min(4, max_tokens), dtype=torch.long)], compute_logits=False)
+    for warm in loop.warm_up_batches(largest_step=where.type == "cuda"):  # as a replica does
+        model.forward(warm, compute_logits=False)
     _synchronize(where)  # warmed up: allocations and first calls are not timed
     freeze_heap()
 

@@ -130,6 +130,32 @@ class ChunkLoop:
     run_timeout: float = 0.0
     """How long a step-size exchange may wait for the other replicas."""
 
+    def warm_up_batches(self, largest_step: bool) -> list[list[torch.Tensor]]:
+        """The untimed batches a rank runs before its first mode, so that no mode pays
+        first-call costs the others find paid (each batch a list of int64 ``[n]`` tensors of
+        token ids on the CPU): four tokens (the small-batch kernels), then, with
+        ``largest_step``, the run's largest step -- the requests' own prompts from the
+        first, whole, until ``max_tokens`` is reached, the last one cut short (one dummy
+        token for a replica without requests: ranks stepping together run as many batches).
+
+        The largest step is for GPUs: it grows the caching allocator to about its peak and
+        loads the large-batch kernels, which on one H200 under MPS made a launch's first
+        mode run its layers 2-3x slower than the modes after it (``docs/benchmarks.md``).
+        On a CPU neither cost exists, and the step would only lengthen every run."""
+        batches = [[torch.zeros(min(4, self.max_tokens), dtype=torch.long)]]
+        if not largest_step:
+            return batches
+        largest: list[torch.Tensor] = []
+        room = self.max_tokens
+        for request in self.requests:
+            if room <= 0:
+                break
+            tokens = self.prompts[request.request_id][:room]
+            largest.append(tokens)
+            room -= len(tokens)
+        batches.append(largest or [torch.zeros(1, dtype=torch.long)])
+        return batches
+
     def run(self, step: Step, sizes: StepSizes | None = None) -> ModeResult:
         """Prefill every request once through ``step``. With ``sizes`` the replicas step
         together: each step starts with an exchange of batch sizes (-1: nothing left; the
@@ -307,14 +333,16 @@ class ReplicaSetup:
         )
 
     def warm_up(self) -> None:
-        """Run every path once (allocations, first-call dispatch) before anything is timed,
-        then freeze the start-up heap (no full garbage collection of it inside a mode)."""
-        warm = [torch.zeros(min(4, self.loop.max_tokens), dtype=torch.long)]
-        if self.expert_parallel is not None:
-            self.expert_parallel.begin_step(len(warm[0]))
-        self.model.forward(warm, self.endpoint, compute_logits=False)
-        if self.monolithic is not None:
-            self.monolithic.forward(warm, compute_logits=False)
+        """Run every path untimed at the small and the largest batch
+        (:meth:`ChunkLoop.warm_up_batches`: allocations, first-call dispatch, kernel loads)
+        before anything is timed, then freeze the start-up heap (no full garbage collection
+        of it inside a mode)."""
+        for warm in self.loop.warm_up_batches(largest_step=self.device.type == "cuda"):
+            if self.expert_parallel is not None:  # every rank pads to the same rows
+                self.expert_parallel.begin_step(max(len(warm[0]), self.loop.max_tokens))
+            self.model.forward(warm, self.endpoint, compute_logits=False)
+            if self.monolithic is not None:
+                self.monolithic.forward(warm, compute_logits=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         freeze_heap()
