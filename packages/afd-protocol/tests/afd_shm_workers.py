@@ -148,3 +148,9 @@ def report_rendezvous_mode(connection: Any) -> int:
 def report_environment(connection: Any, names: list[str]) -> dict[str, str | None]:
     """Rank program: these environment variables as the rank process sees them."""
     return {name: os.environ.get(name) for name in names}
+
+
+def report_parent(connection: Any) -> int:
+    """Rank program: the pid of the process that started this rank (the launcher for a
+    spawned rank, the fork server for a forked one)."""
+    return os.getppid()

@@ -14,8 +14,8 @@ from pathlib import Path
 import afd_shm_workers as workers
 import pytest
 
-from afd_protocol import AFDError, Role, SlotLayout, Topology
-from afd_protocol.launch import START_METHOD_ENV, RankSpec, launch
+from afd_protocol import AFDError, InvalidArgument, Role, SlotLayout, Topology
+from afd_protocol.launch import GPU_START_METHOD, START_METHOD_ENV, RankSpec, launch
 
 WINDOW = SlotLayout(Topology(1, 1, 4), 8, 8, 2).window()
 NAMES = ["AFD_TEST_LATE", "TMPDIR"]
@@ -47,6 +47,28 @@ def test_an_unknown_start_method_is_refused_before_any_process(
     monkeypatch.setenv(START_METHOD_ENV, "fork")
     with pytest.raises(AFDError, match="AFD_START_METHOD must be forkserver or spawn, got 'fork'"):
         launch(WINDOW, _specs(), timeout=120)
+
+
+def test_a_caller_chooses_the_default_start_method_and_the_environment_overrides_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU callers pass ``spawn`` (GPU_START_METHOD): those ranks are the launcher's own
+    children; forked ranks are the fork server's; ``AFD_START_METHOD`` wins over either."""
+    specs = [RankSpec(role, 0, workers.report_parent, {}) for role in Role]
+
+    def parents(**options: str) -> set[int]:
+        return {r.value for r in launch(WINDOW, specs, timeout=120, **options).values()}
+
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    assert GPU_START_METHOD == "spawn"
+    assert parents(default_start_method=GPU_START_METHOD) == {os.getpid()}
+    forked = parents()
+    assert len(forked) == 1  # the fork server, one for both ranks
+    assert os.getpid() not in forked
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    assert parents(default_start_method="spawn") == forked
+    with pytest.raises(InvalidArgument, match="start method must be forkserver or spawn"):
+        parents(default_start_method="fork")
 
 
 def test_the_fork_server_and_its_directory_are_gone_when_the_process_exits(

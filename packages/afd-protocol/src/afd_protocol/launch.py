@@ -12,8 +12,10 @@ importing it (measured on a 2-core machine, idle and busy). Each rank gets
 the caller's environment and ``sys.path`` as they are at the launch (applied before its
 program runs, so a variable read at run time behaves as with ``spawn``; one read by torch
 at import time sees the environment of the first launch). The server exits with the
-caller; no GPU or CUDA state is ever created in it. ``AFD_START_METHOD=spawn`` starts each
-rank as a fresh interpreter instead (slower; nothing is shared between ranks).
+caller; no GPU or CUDA state is ever created in it. Ranks that use GPUs are spawned as
+fresh interpreters instead (``default_start_method=GPU_START_METHOD``: their exchange ran
+faster per layer that way on an H200); ``AFD_START_METHOD`` (``forkserver`` or ``spawn``)
+overrides either default.
 
 Guarantees:
 
@@ -61,7 +63,7 @@ from typing import Any, cast
 
 import torch
 
-from afd_protocol.core.errors import AFDError
+from afd_protocol.core.errors import AFDError, InvalidArgument
 from afd_protocol.core.layout import WindowLayout
 from afd_protocol.core.rendezvous import (
     SUPERVISOR_ENV,
@@ -323,8 +325,15 @@ def launch(
     on_start: Callable[[dict[str, int]], None] | None = None,
     window_overrides: Mapping[str, WindowLayout] | None = None,
     transport_factory: TransportFactory = shm_transport,
+    default_start_method: str = "forkserver",
 ) -> dict[str, RankResult]:
     """Run ``ranks`` to completion; see the module docstring.
+
+    ``default_start_method`` (``"forkserver"`` or ``"spawn"``) is how the rank processes
+    start unless ``AFD_START_METHOD`` says otherwise: GPU callers pass ``"spawn"`` (on one
+    H200 the NVSHMEM exchange ran 0.83-0.91x as long per layer in spawned ranks as in ranks
+    forked from the torch-importing server, ``docs/benchmarks.md``), CPU callers keep the
+    fork server's faster start.
 
     ``timeout`` bounds the whole run; after the first failure the others get ``grace``
     seconds to fail fast (they normally do, through the abort word) before being killed.
@@ -333,7 +342,7 @@ def launch(
     which only a test of the start-up handshake wants.
     """
     overrides = dict(window_overrides or {})
-    ctx, server_dir = _rank_context()
+    ctx, server_dir = _rank_context(default_start_method)
     rendezvous = tempfile.mkdtemp(prefix="afd-rendezvous-")
     launcher = (os.getpid(), process_start_time(os.getpid()))
     processes: dict[str, Any] = {}
@@ -395,19 +404,29 @@ def launch(
 
 
 START_METHOD_ENV = "AFD_START_METHOD"
+START_METHODS = ("forkserver", "spawn")
+GPU_START_METHOD = "spawn"
+"""How ranks that use GPUs start: on one H200 under MPS, NVSHMEM's dispatch + combine took
+0.83-0.91x as long per layer in spawned ranks as in ranks forked from the fork server (two
+rounds of each, side by side, ranges apart; ``docs/benchmarks.md``), which outweighs the
+seconds of start-up that the fork server saves."""
 
 
-def _rank_context() -> tuple[mp.context.ForkServerContext | mp.context.SpawnContext, str | None]:
-    """The multiprocessing context ranks start from, and the directory of its fork
-    server's socket (None for ``spawn``).
+def _rank_context(
+    default: str,
+) -> tuple[mp.context.ForkServerContext | mp.context.SpawnContext, str | None]:
+    """The multiprocessing context ranks start from (``$AFD_START_METHOD``, else
+    ``default``), and the directory of its fork server's socket (None for ``spawn``).
 
     The fork server imports torch and this module, nothing else: rank programs, transports
     and the libraries they load (CUDA, NVSHMEM, Triton) are imported in each rank, after
     its environment is in place, as with ``spawn``. The first launch of a process starts
     the server; it then serves every later launch, and exits with the process.
     """
-    method = os.environ.get(START_METHOD_ENV, "forkserver")
-    if method not in ("forkserver", "spawn"):
+    if default not in START_METHODS:
+        raise InvalidArgument(f"the start method must be forkserver or spawn, got {default!r}")
+    method = os.environ.get(START_METHOD_ENV, default)
+    if method not in START_METHODS:
         raise AFDError(f"{START_METHOD_ENV} must be forkserver or spawn, got {method!r}")
     if method == "spawn":
         return mp.get_context("spawn"), None

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from afd_protocol import FIRST_PARTY_TRANSPORTS, AFDError, get_transport, transport_names
+from afd_protocol.launch import START_METHODS
 from afd_tools.bench import prefill
-from afd_tools.bench.start_methods import START_METHODS, compare_start_methods
+from afd_tools.bench.start_methods import compare_start_methods
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def add_parser(sub: Any) -> None:
         action="append",
         choices=START_METHODS,
         default=None,
-        help="how rank processes start (afd's launcher: forkserver, the default, or spawn); "
+        help="how rank processes start (afd's launcher: forked from a fork server, the "
+        "default on CPU, or spawned, the default for GPU ranks); "
         "repeat to measure each side by side, the whole benchmark once per method in turn "
         "(with --rounds, A/B/A/B), with a table of every per-layer figure by method",
     )

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from afd_protocol import AttentionEndpoint, Role, SlotLayout, Topology
-from afd_protocol.launch import RankSpec, launch
+from afd_protocol.launch import GPU_START_METHOD, RankSpec, launch
 from afd_protocol.window import WindowConnection, WindowOptions, WindowTransport
 from afd_tools.bench.identity_ffn import serve_identity
 from afd_tools.bench.pingpong import flag_pingpong
@@ -385,6 +385,21 @@ def _with(specs: list[RankSpec], env: dict[str, str]) -> list[RankSpec]:
     return [dataclasses.replace(spec, env={**spec.env, **env}) for spec in specs]
 
 
+def _launch(window: Any, specs: list[RankSpec], wait_variant: str) -> dict[str, Any]:
+    """The ranks run over NVSHMEM with ``wait_variant``'s waits, started as afd run starts
+    GPU ranks (:data:`~afd_protocol.launch.GPU_START_METHOD`, unless ``AFD_START_METHOD``
+    says otherwise: ``--start-method`` sets it)."""
+    return dict(
+        launch(
+            window,
+            specs,
+            timeout=600,
+            transport_factory=_factory(wait_variant),
+            default_start_method=GPU_START_METHOD,
+        )
+    )
+
+
 def _factory(wait_variant: str) -> Any:
     from afd_transport_nvshmem.launch_support import nvshmem_transport
     from afd_transport_nvshmem.transport import NvshmemOptions
@@ -430,7 +445,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         )
         for role in Role
     ]
-    micro = launch(big, _with(specs, env), timeout=600, transport_factory=_factory("device"))
+    micro = _launch(big, _with(specs, env), "device")
     attention = micro["attention rank 0"].value
     latency = {k: v for k, v in attention.items() if k.endswith("_us")}
     tiny = SlotLayout(Topology(1, 1, 1), 64, 16, 1).window()
@@ -438,7 +453,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         specs = [
             RankSpec(role, 0, _wait_any_latency, {"iterations": args.iterations}) for role in Role
         ]
-        result = launch(tiny, _with(specs, env), timeout=600, transport_factory=_factory(variant))
+        result = _launch(tiny, _with(specs, env), variant)
         latency[f"wait_any_{variant}_us"] = result["attention rank 0"].value
     report["latency_us"] = {k: latency[k] for k in LATENCY_LABELS if k in latency}
     report["bandwidth"] = attention["bandwidth"]
@@ -512,7 +527,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             {"timing": True, "profile": None if profile is None else f"{profile}/ffn.txt"},
         ),
     ]
-    per_layer = launch(layer, _with(specs, env), timeout=600, transport_factory=_factory("device"))
+    per_layer = _launch(layer, _with(specs, env), "device")
     times = dict(per_layer["attention rank 0"].value)
     ffn = per_layer["ffn rank 0"].value
     specs = [
@@ -529,7 +544,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         ),
         RankSpec(Role.FFN, 0, serve_identity),
     ]
-    host_polls = launch(layer, _with(specs, env), timeout=600, transport_factory=_factory("host"))
+    host_polls = _launch(layer, _with(specs, env), "host")
     times.update(host_polls["attention rank 0"].value)
     report["ffn_reply"] = {
         "host_ms": {str(k): v for k, v in ffn.get("reply_host_ms", {}).items()},

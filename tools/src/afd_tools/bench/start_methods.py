@@ -20,8 +20,6 @@ from typing import Any
 
 from afd_protocol.launch import START_METHOD_ENV
 
-START_METHODS = ("forkserver", "spawn")
-
 
 def leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
     """Every number in a JSON-like tree, by its path (``a/b/c``); booleans are not numbers."""

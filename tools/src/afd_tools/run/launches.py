@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from afd_protocol import Role, SharedPlacement, SlotLayout, Topology, TransportFactory
-from afd_protocol.launch import RankSpec, launch
+from afd_protocol.launch import GPU_START_METHOD, RankSpec, launch
 from afd_tools.prefill.workload import Request, assign
 from afd_tools.run import ranks
 from afd_tools.run.expert_parallel import expert_parallel_connection
@@ -47,6 +47,9 @@ class Launch:
     pipes: list[Connection]
     shares: dict[str, int] = dataclasses.field(default_factory=dict)
     """Each rank's CUDA MPS share by rank name, where ranks share GPUs (empty: no MPS)."""
+    start_method: str = "forkserver"
+    """How the rank processes start (:func:`afd_protocol.launch`'s
+    ``default_start_method``; ``AFD_START_METHOD`` overrides it)."""
 
     def run(self, run_timeout: float) -> Outcome:
         """Launch the ranks (as MPS clients with their shares, under a daemon that lives as
@@ -55,7 +58,7 @@ class Launch:
         try:
             with mps_clients(self.shares) as environments:
                 specs = [_with_env(spec, environments.get(spec.name, {})) for spec in self.specs]
-                results = _launch(self.window, specs, run_timeout, self.factory)
+                results = _launch(self.window, specs, run_timeout, self.factory, self.start_method)
         finally:
             for end in self.pipes:
                 end.close()
@@ -69,14 +72,20 @@ def launches(plan: RunPlan) -> list[Callable[[Connection], Launch]]:
     writing end when its turn comes."""
     out: list[Callable[[Connection], Launch]] = []
     if plan.afd_modes:
-        out.append(functools.partial(_afd_launch, plan))
+        out.append(functools.partial(_started, _afd_launch, plan))
     if plan.separate_colocated:
-        out.append(
-            functools.partial(
-                _colocated_launch if plan.job.colocated == "dp-ep" else _monolithic_launch, plan
-            )
-        )
+        build = _colocated_launch if plan.job.colocated == "dp-ep" else _monolithic_launch
+        out.append(functools.partial(_started, build, plan))
     return out
+
+
+def _started(
+    build: Callable[[RunPlan, Connection], Launch], plan: RunPlan, progress: Connection
+) -> Launch:
+    """``build``'s launch, its ranks spawned where they use GPUs (GPU_START_METHOD), else
+    forked from the fork server (the faster start)."""
+    method = GPU_START_METHOD if plan.placement.kind == "cuda" else "forkserver"
+    return dataclasses.replace(build(plan, progress), start_method=method)
 
 
 def _with_env(spec: RankSpec, env: dict[str, str]) -> RankSpec:
@@ -85,11 +94,23 @@ def _with_env(spec: RankSpec, env: dict[str, str]) -> RankSpec:
 
 
 def _launch(
-    window: Any, specs: list[RankSpec], run_timeout: float, factory: TransportFactory
+    window: Any,
+    specs: list[RankSpec],
+    run_timeout: float,
+    factory: TransportFactory,
+    start_method: str,
 ) -> dict[str, Any]:
     """Run the ranks with :func:`launch` in this (main) thread, so that Ctrl-C and SIGTERM
     stop and clean up everything."""
-    return dict(launch(window, specs, timeout=run_timeout, transport_factory=factory))
+    return dict(
+        launch(
+            window,
+            specs,
+            timeout=run_timeout,
+            transport_factory=factory,
+            default_start_method=start_method,
+        )
+    )
 
 
 def _replica_spec(
