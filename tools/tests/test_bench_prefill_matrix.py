@@ -4,8 +4,11 @@ follow from the reports (checked against numbers computed here)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -265,20 +268,56 @@ def test_a_mode_summary_counts_goodput_against_the_slo() -> None:
     assert _summary("sync", 50.0, 1.0, []).goodput(1.0) is None  # an older report
 
 
-@pytest.mark.timeout(600)
-def test_a_small_matrix_runs_on_cpu_every_output_verified(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    report = tmp_path / "matrix.json"
+@dataclasses.dataclass(frozen=True)
+class SmallMatrix:
+    out: str
+    """What the benchmark printed (the children's own output aside)."""
+    data: dict[str, Any]
+    """Its ``--json``."""
+    docs: str
+    """The ``--docs`` file after the run."""
+
+
+SMALL_QUICK = dataclasses.replace(QUICK, max_prompt_len=256, budget=512)
+"""``--quick`` for the CPU runs below: QUICK with prompts of about 48 tokens instead of 774
+(the same 12 requests), which is what makes an all-modes run cost 2 s of CPU instead of 11.
+What these tests check -- which runs the matrix makes, in what order, their exit codes,
+reports, verification, JSON and table -- does not depend on the prompts' length."""
+
+
+@pytest.fixture(scope="module")
+def small_matrix(tmp_path_factory: pytest.TempPathFactory) -> SmallMatrix:
+    """One real matrix on the CPU, checked by the two tests below: a warm-up, then 2:1 at
+    one stage (every mode) and at two (async), Poisson arrivals, a TTFT SLO, the JSON and a
+    docs file whose table it replaces. ``--run-arg`` is given as two arguments
+    (``--run-arg=--device --run-arg=cpu``: one option over two, run end to end here); the
+    joined form's jobs are checked without running, above and in test_sharing.py."""
+    tmp = tmp_path_factory.mktemp("small-matrix")
+    report, docs = tmp / "matrix.json", tmp / "benchmarks.md"
+    docs.write_text(
+        "# head\n<!-- afd bench prefill -->\nold table\n<!-- /afd bench prefill -->\nafter\n"
+    )
     argv = [
         "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
         "--layout", "2:1", "--stages", "1", "--stages", "2", "--rate", "40",
-        "--ttft-slo", "5", "--run-arg=--device=cpu", "--json", str(report), "--warm-up", "on",
+        "--ttft-slo", "5", "--run-arg=--device", "--run-arg=cpu", "--json", str(report),
+        "--docs", str(docs), "--warm-up", "on",
     ]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
+    from afd_tools.bench import prefill
+
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(prefill, "QUICK", SMALL_QUICK)
+        code = main(argv)
+    assert code == 0, printed.getvalue()
+    return SmallMatrix(printed.getvalue(), json.loads(report.read_text()), docs.read_text())
+
+
+@pytest.mark.timeout(600)  # the fixture's run counts against the first test that uses it
+def test_a_small_matrix_runs_on_cpu_every_output_verified(small_matrix: SmallMatrix) -> None:
+    out, data = small_matrix.out, small_matrix.data
     assert out.index("[warm-up, not timed] afd run") < out.index("[1/2] afd run")
-    data = json.loads(report.read_text())
+    assert data["size"]["requests"] == QUICK.requests
     assert data["ttft_slo_s"] == 5.0
     (warm,) = data["warm_up"]  # one preset, one A:F
     assert warm["exit_code"] == 0
@@ -299,6 +338,27 @@ def test_a_small_matrix_runs_on_cpu_every_output_verified(
             assert all(t > 0 for t in ttft)
     assert "--mode async" in runs[1]["command"]
     assert "--stages 2" in runs[1]["command"]
+
+
+@pytest.mark.timeout(600)  # the fixture's run counts against the first test that uses it
+def test_bench_prefill_runs_every_mode_verified_and_replaces_the_docs_table(
+    small_matrix: SmallMatrix,
+) -> None:
+    text = small_matrix.docs
+    assert "old table" not in text
+    assert text.startswith(
+        "# head\n<!-- afd bench prefill -->\n| preset | workload | A:F | SM shares % | "
+        "arrivals | mode |"
+    )
+    assert text.endswith("<!-- /afd bench prefill -->\nafter\n")
+    rows = [line for line in text.splitlines() if line.startswith("| tiny | uniform |")]
+    assert [row.split(" | ")[5] for row in rows] == ["async N=1", "sync", "colocated", "async N=2"]
+    # the worst error in scientific notation; a run that matches exactly prints 0.0e+00
+    assert all(re.search(r"\| yes \(\d\.\de[-+]\d\d\) \|$", row) for row in rows), rows
+    runs = small_matrix.data["runs"]
+    assert runs[0]["exit_code"] == 0
+    assert runs[0]["report"]["verification_failures"] == {}
+    assert "--workload-file" in runs[0]["command"]
 
 
 def test_check_sweeps_is_what_refuses(tmp_path: Path) -> None:

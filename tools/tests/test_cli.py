@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 import sys
 from typing import Any
@@ -218,46 +216,6 @@ def test_a_short_soak_verifies_every_output_and_finds_no_growth(
     out = capsys.readouterr().out
     assert "PASS: outputs verified, no rank grew" in out
     assert out.count(" ok\n") == 4  # two attention replicas, two FFN ranks
-
-
-def test_bench_prefill_runs_every_mode_verified_and_replaces_the_docs_table(
-    tmp_path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    docs = tmp_path / "benchmarks.md"
-    docs.write_text(
-        "# head\n<!-- afd bench prefill -->\nold table\n<!-- /afd bench prefill -->\nafter\n"
-    )
-    report = tmp_path / "prefill.json"
-    argv = [
-        "bench",
-        "prefill",
-        "--quick",
-        "--preset",
-        "tiny",
-        "--workload",
-        "uniform",
-        "--run-arg=--device",
-        "--run-arg=cpu",
-        "--json",
-        str(report),
-        "--docs",
-        str(docs),
-    ]
-    assert main(argv) == 0
-    text = docs.read_text()
-    assert "old table" not in text
-    assert text.startswith(
-        "# head\n<!-- afd bench prefill -->\n| preset | workload | A:F | SM shares % | "
-        "arrivals | mode |"
-    )
-    assert text.endswith("<!-- /afd bench prefill -->\nafter\n")
-    rows = [line for line in text.splitlines() if line.startswith("| tiny | uniform |")]
-    assert [row.split(" | ")[5] for row in rows] == ["async N=2", "sync", "colocated"]
-    assert all(re.search(r"\| yes \(\d\.\de-\d\d\) \|$", row) for row in rows), rows
-    runs = json.loads(report.read_text())["runs"]
-    assert runs[0]["exit_code"] == 0
-    assert runs[0]["report"]["verification_failures"] == {}
-    assert "--workload-file" in runs[0]["command"]
 
 
 def test_bench_prefill_uniform_has_the_uneven_total_and_refuses_docs_without_markers(

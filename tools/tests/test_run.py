@@ -341,6 +341,15 @@ def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+CONSOLE_SCRIPT = "import sys; from afd_tools.cli import main; sys.exit(main())"
+"""The ``afd`` console script's call (its ``main()``), given to ``python -c`` so that there
+is no main module: multiprocessing imports a ``-m`` module or a script file again, as
+``__mp_main__``, in every process it starts, so each of the four ranks would import the
+whole CLI a second time -- about 0.7 s of CPU per rank before ``afd sim``'s scipy became a
+lazy import, spent before the ranks attach and so on nothing these tests check.
+``python -m afd_tools.cli`` itself is run by test_cli.py."""
+
+
 class RunningRun:
     """``afd run`` in a session of its own, with its own temporary directory."""
 
@@ -349,8 +358,8 @@ class RunningRun:
         self.tmp.mkdir()
         argv = [
             sys.executable,
-            "-m",
-            "afd_tools.cli",
+            "-c",
+            CONSOLE_SCRIPT,
             *SMALL,
             "--requests",
             "400",

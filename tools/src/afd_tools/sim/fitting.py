@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import nnls
 
 from afd_tools.sim.costs import SimError
 
@@ -102,6 +101,8 @@ def fit_nonnegative(
     coefficients = dict.fromkeys(names, 0.0)
     if kept:
         scaled = a[:, kept] / norms[kept]
+        from scipy.optimize import nnls  # here: 0.37 s of import every afd process would pay
+
         solution, _ = nnls(scaled, ones)
         for j, value in zip(kept, solution / norms[kept], strict=True):
             coefficients[names[j]] = float(value)
