@@ -287,3 +287,25 @@ def test_calibration_refuses_runs_measured_at_different_sm_splits() -> None:
         "25 %; attention 25 %, ffn 50 %): the cost model has no share term, so one calibration "
         "holds one split; calibrate each split separately"
     )
+
+
+def test_a_run_against_the_monolithic_baseline_calibrates_on_its_afd_modes_alone() -> None:
+    """``--colocated mono`` (the one-GPU baseline: the whole model on a whole GPU) is outside
+    the cost model's MPS shares: its figures are left out; the AFD modes are simulated."""
+    from afd_tools.sim.calibrate import replay
+    from afd_tools.sim.costs import load
+    from afd_tools.sim.measured import measured_run
+
+    base = _report()
+    modes = {**base.modes, "colocated": _summary("colocated", 2.0)}
+    mono = dataclasses.replace(
+        base, deployment=dataclasses.replace(DEPLOYMENT, colocated="mono"), modes=modes
+    )
+    run = measured_run(mono, "mono.json")
+    assert set(run.modes) == {"async", "sync"}
+    assert run.colocated == "dp"  # a stand-in: the simulator never runs its colocated mode
+    assert run.deployment.colocated == "mono"  # the report itself is kept as measured
+    replayed = replay([run], load("cpu-tiny"), ("async", "sync", "colocated"))
+    assert [r.mode for r in replayed] == ["async", "sync"]
+    dp = dataclasses.replace(base, modes=modes)  # colocated dp: modelled, so kept
+    assert set(measured_run(dp, "dp.json").modes) == {"async", "sync", "colocated"}

@@ -61,15 +61,7 @@ def test_the_bundle_is_the_campaign_the_docs_describe(runs: list[MeasuredRun]) -
 def test_the_shipped_calibration_is_refitted_from_its_bundle(runs: list[MeasuredRun]) -> None:
     shipped = costs.load("cpu-tiny")
     assert "cpu-tiny-runs.json.gz" in shipped.command
-    refit = fit_runs(runs)
-    for field in dataclasses.fields(shipped):
-        if field.name in ("command", "date", "notes", "sources", "fit"):
-            continue
-        want, got = getattr(shipped, field.name), getattr(refit, field.name)
-        if isinstance(want, float):
-            assert got == pytest.approx(want, rel=1e-6, abs=1e-15), field.name
-        else:
-            assert got == want, field.name
+    _assert_same_coefficients(shipped, fit_runs(runs))
 
 
 def _misses(predictions: list[Prediction]) -> list[str]:
@@ -162,3 +154,41 @@ def test_bundle_round_trip_names_and_refusals(
     garbled.write_bytes(gzip.compress(b"{not json"))
     with pytest.raises(SimError, match="not valid JSON"):
         read_runs([garbled])
+
+
+ONE_GPU_BUNDLE = Path(
+    str(resources.files("afd_tools.sim") / "calibrations" / "h200-mps-v3-runs.json.gz")
+)
+
+
+def test_the_one_gpu_calibration_is_refitted_from_its_bundle() -> None:
+    """``h200-mps-v3``: one H200, every rank an MPS client at 25 % of the SMs, fitted from
+    the four shipped ``afd bench prefill`` runs (their colocated mode was the monolithic
+    model on the whole GPU, outside the cost model's shares: left out)."""
+    runs = read_runs([ONE_GPU_BUNDLE])
+    assert sorted((r.attention_ranks, r.ffn_ranks, r.stages) for r in runs) == [
+        (2, 1, 1),
+        (2, 1, 2),
+        (2, 2, 2),
+        (3, 1, 2),
+    ]
+    assert {r.split for r in runs} == {"attention 25 %, ffn 25 %"}
+    assert {(r.preset, r.dtype, r.device, r.deployment.colocated) for r in runs} == {
+        ("v3-slice", "bfloat16", "cuda", "mono")
+    }
+    assert all("colocated" not in r.modes for r in runs)
+    shipped = costs.load("h200-mps-v3")
+    assert "h200-mps-v3-runs.json.gz --cores-grid none" in shipped.command
+    _assert_same_coefficients(shipped, fit_runs(runs, cores_grid=(None,)))
+
+
+def _assert_same_coefficients(shipped: costs.Calibration, refit: costs.Calibration) -> None:
+    """Every coefficient of ``refit`` equals ``shipped``'s (not its provenance fields)."""
+    for field in dataclasses.fields(shipped):
+        if field.name in ("command", "date", "notes", "sources", "fit"):
+            continue
+        want, got = getattr(shipped, field.name), getattr(refit, field.name)
+        if isinstance(want, float):
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-15), field.name
+        else:
+            assert got == want, field.name

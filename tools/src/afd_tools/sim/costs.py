@@ -161,7 +161,7 @@ def from_json(data: Any, where: str) -> Calibration:
     return Calibration(**body)
 
 
-SHIPPED = ("cpu-tiny", "h200-v3", "h200-v2-lite")
+SHIPPED = ("cpu-tiny", "h200-v3", "h200-v2-lite", "h200-mps-v3")
 """Calibration files in the package (``afd_tools/sim/calibrations/NAME.json``)."""
 
 

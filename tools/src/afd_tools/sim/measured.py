@@ -86,7 +86,11 @@ class MeasuredRun:
 
     @property
     def colocated(self) -> str:
-        return self.deployment.colocated
+        """The colocated baseline as the simulator models it (``dp`` or ``dp-ep``). A run
+        measured against the monolithic model on a whole GPU (``mono``) has no such mode:
+        its ``colocated`` figures are not in :attr:`modes` (:func:`measured_run`), and
+        ``dp`` stands in here, only so its AFD modes can be simulated."""
+        return self.deployment.colocated if self.deployment.colocated in SIMULATED else "dp"
 
     @property
     def assign(self) -> str:
@@ -128,15 +132,25 @@ def parse_report(report: Any, where: str) -> MeasuredRun:
     return measured_run(typed, where)
 
 
+SIMULATED = ("dp", "dp-ep")
+"""The colocated baselines the simulator has a model of. ``mono`` (the whole model in one
+process on a whole GPU, the one-GPU baseline) runs outside the MPS shares the cost model
+is calibrated at, so its measurements are left out of calibrations and validations."""
+
+
 def measured_run(report: RunReport, where: str) -> MeasuredRun:
-    """The simulator's view of a typed run report."""
+    """The simulator's view of a typed run report (without a ``mono`` colocated mode:
+    :data:`SIMULATED`)."""
+    modes = dict(report.modes)
+    if report.deployment.colocated not in SIMULATED:
+        modes.pop("colocated", None)
     return MeasuredRun(
         source=where,
         deployment=report.deployment,
         requests=tuple(
             Request(r.request_id, r.prompt_len, r.arrival, r.replica) for r in report.requests
         ),
-        modes=dict(report.modes),
+        modes=modes,
         mps_shares={str(k): int(v) for k, v in report.placement.get("mps_shares", {}).items()},
     )
 
