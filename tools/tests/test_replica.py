@@ -331,3 +331,51 @@ def test_warm_up_batches_are_as_many_on_a_replica_without_requests() -> None:
     assert len(empty.warm_up_batches(True)) == len(busy.warm_up_batches(True)) == 2
     assert [[t.tolist() for t in b] for b in empty.warm_up_batches(True)] == [[[0, 0, 0]], [[0]]]
     assert [t.tolist() for t in busy.warm_up_batches(True)[1]] == [[0, 1, 2]]
+
+
+class DeviceMark:
+    """A mark on a scripted device timeline (what a CUDA event is to :class:`Clock`)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def synchronize(self) -> None:
+        pass
+
+
+class ScriptedDeviceClock(Clock):
+    """A GPU's clock whose marks are read off a script: each mark is the next time."""
+
+    def __init__(self, times: list[float]) -> None:
+        self.cuda = True
+        self._times = iter(times)
+
+    def mark(self) -> Any:
+        return DeviceMark(next(self._times))
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end.t - start.t)
+
+
+@pytest.mark.parametrize("mode", [AsyncMode, SyncMode])
+def test_on_a_gpu_a_step_waits_for_its_combines_span_on_the_device_not_the_hosts(
+    mode: type[ReplicaMode],
+) -> None:
+    """The host spent 0.5 s in each step's combines (its own queued compute finishing
+    too); on the device's timeline the two combines took 0.125 + 0.25 s."""
+    # step start, then (dispatch start, end, combine start, end) twice, then step end
+    times = [0.0, 1.0, 1.0625, 2.0, 2.125, 3.0, 3.0625, 4.0, 4.25, 5.0]
+    setup = _setup(combine_wait_s=0.5)
+    setup.timed.clock = ScriptedDeviceClock(times)
+    setup.timed.totals = LayerTimes()
+    _, waited = mode(setup).step(["entry"], 1, KVCache())
+    barriers = setup.barriers.wait_s if mode is SyncMode else 0.0
+    assert waited == pytest.approx(0.125 + 0.25 + barriers)
+    assert setup.timed.totals.combine_s == pytest.approx(0.375)
+    assert setup.timed.totals.step_s == pytest.approx(5.0)
+
+
+def test_on_a_cpu_a_step_waits_for_the_hosts_seconds_in_combine() -> None:
+    setup = _setup(combine_wait_s=0.5)
+    _, waited = AsyncMode(setup).step(["entry"], 0, KVCache())
+    assert waited == 0.5  # the host's clock is the CPU's timeline

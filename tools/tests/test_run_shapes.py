@@ -114,3 +114,20 @@ def test_measured_and_simulated_replicas_record_the_same_times(
     other = record(done={0: 2.0}, busy_s=2.0, origin=10.0)
     colocated = summarize("colocated", requests, [other, untimed], [])
     assert colocated.breakdown.empty
+
+
+def test_an_ffn_item_keeps_its_rank_busy_for_its_host_span_or_its_device_time() -> None:
+    """On a CPU the host span holds the compute; on a GPU the host replies once the
+    experts are queued, so a 0.8 s item can span 0.1 s of host time. Busy counts the
+    longer; a span before the mode counts only inside it, and its compute not at all."""
+    replica = ModeResult(done={0: 4.0}, origin=10.0)
+    requests = [Request(0, 40, 0.0, 0)]
+    intervals = [
+        (10.5, 11.0, 0, 1, 0.25),  # CPU-like: 0.5 s of host, 0.25 s of compute
+        (12.0, 12.1, 0, 2, 0.8),  # GPU-like: 0.1 s of host, 0.8 s on the device
+        (9.0, 10.5, 0, 0, 1.5),  # taken before the mode: its last 0.5 s count
+    ]
+    s = summarize("async", requests, [replica], [intervals])
+    assert s.ffn_busy == [pytest.approx((0.5 + 0.8 + 0.5) / 4.0)]
+    assert s.breakdown.ffn_items == 2.0
+    assert s.breakdown.ffn_ms_per_item == pytest.approx(1e3 * (0.25 + 0.8) / 2)

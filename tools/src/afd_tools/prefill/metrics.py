@@ -105,7 +105,8 @@ def summarize(
     ffn_intervals: Sequence[Sequence[tuple[float, ...]]],
 ) -> ModeSummary:
     """Summarise one mode from every replica's record and the FFN intervals
-    (``(taken, replied, replica, layer, expert seconds)`` per work item)."""
+    (``(taken, replied, replica, layer, expert seconds)`` per work item; an item keeps
+    its rank busy for the longer of its host span and its expert seconds)."""
     done: dict[int, float] = {}
     for result in replica_results:
         done.update(result.done)
@@ -119,10 +120,16 @@ def summarize(
     ffn_busy = []
     item_seconds: list[float] = []
     for intervals in ffn_intervals:
-        busy = sum(max(0.0, min(e, end) - max(s, origin)) for s, e, *_ in intervals)
+        busy = 0.0
+        for taken, replied, *_, compute_s in intervals:
+            span = max(0.0, min(replied, end) - max(taken, origin))
+            if origin <= taken <= end:  # taken during this mode (modes run one by one)
+                # On a GPU the host replies once the experts are queued: the item's expert
+                # time on the device is how long it kept the rank busy, if longer.
+                span = max(span, float(compute_s))
+                item_seconds.append(float(compute_s))
+            busy += span
         ffn_busy.append(busy / makespan)
-        # Items taken during this mode (modes run one after the other).
-        item_seconds += [float(i[4]) for i in intervals if origin <= i[0] <= end]
     layers = _mean_layer_times([r.layer_times for r in replica_results])
     if item_seconds:
         layers["ffn_ms_per_item"] = 1e3 * statistics.fmean(item_seconds)

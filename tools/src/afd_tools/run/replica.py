@@ -382,12 +382,25 @@ class ReplicaMode:
             select=setup.loop.log,
         )
 
+    waits_in_combine: ClassVar[bool] = False
+    """Whether :meth:`forward`'s waiting includes the model's host seconds in combine
+    (``model.stats.combine_wait_s``), which a GPU's timeline replaces (:meth:`step`)."""
+
     def step(self, entries: list[Prompt], rows: int, cache: KVCache) -> StepOutput:
-        """:meth:`forward`, timed per endpoint call; returns once the device finished it."""
+        """:meth:`forward`, timed per endpoint call; returns once the device finished it.
+
+        On a GPU the host runs ahead of the device, so the host's seconds in ``combine``
+        also cover this rank's own compute still queued before it: the step's waiting there
+        is the combines' span on the device's timeline instead (what the breakdown's
+        combine column measures), so that busy + waiting describe the device."""
         timed = self.setup.timed
         timed.begin_step()
         output, waited = self.forward(entries, rows, cache)
+        combined = timed.totals.combine_s
         timed.end_step()  # waits for the device: the step's end is when its work ended
+        if self.waits_in_combine and timed.clock.cuda:
+            on_device = timed.totals.combine_s - combined
+            waited += on_device - self.setup.model.stats.combine_wait_s
         return output, waited
 
     def run(self) -> ModeResult:
@@ -407,6 +420,7 @@ class AsyncMode(ReplicaMode):
     another; waiting is the time spent in combine."""
 
     name = "async"
+    waits_in_combine = True
 
     def forward(self, entries: list[Prompt], rows: int, cache: KVCache) -> StepOutput:
         output = self.prefill(entries, self.setup.timed, cache, self.setup.num_stages)
@@ -419,6 +433,7 @@ class SyncMode(ReplicaMode):
 
     name = "sync"
     lockstepped = True
+    waits_in_combine = True
 
     def forward(self, entries: list[Prompt], rows: int, cache: KVCache) -> StepOutput:
         setup = self.setup
