@@ -131,7 +131,8 @@ VERIFIED_SHARES = (100, 50, 25)
 (torch 2.11 + CUDA 13, driver 580): as an MPS client at 33 and 40 % (42 and 52 SMs) cuBLAS
 leaves elements of bf16 GEMM outputs unwritten for most row counts of every V2-Lite
 projection (the model came out NaN there, and at 45 and 60 %), at 25, 50 and 100 % (32, 66,
-132 SMs) it writes them all. So the default split uses these shares; any other can still be
+132 SMs) it writes them all. The GEMM probe refused 37 and 75 % too (48 and 98 SMs: 18 and
+29 of its 98 products, the same day). So the default split uses these shares; any other can still be
 asked for, and a rank on a share whose GEMMs drop outputs stops at start-up
 (``afd_models.check_gemms_write_every_output``)."""
 
