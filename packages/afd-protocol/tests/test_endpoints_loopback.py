@@ -590,3 +590,16 @@ def test_both_roles_run_through_the_endpoint_protocols_and_the_serving_loop() ->
     for ffn in ffns:
         stats = serve(ffn, experts.compute_for(ffn))
         assert stats.items == []
+
+
+def test_publish_all_sets_each_peers_flag_and_refuses_a_value_count_that_differs() -> None:
+    world = make_world(f=3)
+    transport = world.transport(Role.ATTENTION, 0)
+    flag = world.window.flag_index(0, 0)
+    transport.publish_all([2, 0], flag, [11, 5])
+    got = [int(flag_words(world.windows[(Role.FFN, r)], world.window)[flag]) for r in range(3)]
+    assert got == [5, 0, 11]
+    with pytest.raises(InvalidArgument, match="one value per peer: 1 values for 2 peers"):
+        transport.publish_all([0, 1], flag, [3])
+    after = [int(flag_words(world.windows[(Role.FFN, r)], world.window)[flag]) for r in range(3)]
+    assert after == got  # nothing published

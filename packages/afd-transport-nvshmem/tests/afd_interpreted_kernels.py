@@ -221,8 +221,33 @@ def check_reduce(rows: int, hidden: int, topk: int, dtype: torch.dtype) -> None:
     )
 
 
+def check_publish() -> None:
+    """The one-launch publish sets each flag word to its value, after earlier writes,
+    and nothing else; a reused key's block carries the next values."""
+    from afd_transport_nvshmem.flag_publish import FlagPublisher
+
+    first, second = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    publisher = FlagPublisher(torch.device("cpu"), max_flags=3)
+    addresses = [first.data_ptr() + 4 * 5, second.data_ptr() + 4 * 2]
+    publisher.publish("ring 0", addresses, [7, -9])
+    want_first, want_second = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    want_first[5], want_second[2] = 7, -9
+    assert torch.equal(first, want_first) and torch.equal(second, want_second), (first, second)
+    publisher.publish("ring 0", addresses, [2**31 - 1, 1])  # the same key: its block reused
+    want_first[5], want_second[2] = 2**31 - 1, 1
+    assert torch.equal(first, want_first) and torch.equal(second, want_second), (first, second)
+    for values, where in (([], []), ([1, 2, 3, 4], [0, 0, 0, 0]), ([1], addresses)):
+        try:
+            publisher.publish("bad", where, values)
+        except ValueError as exc:
+            assert "a publish sets 1..3 flags, one value per address" in str(exc), exc
+        else:
+            raise AssertionError(f"{len(values)} values for {len(where)} addresses accepted")
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    check_publish()
     uneven = Topology(1, 3, 10, placement=ExpertPlacement.contiguous(10, 3))  # 4 + 3 + 3
     cases = 0
     for topo in (Topology(1, 1, 8), Topology(1, 2, 16), uneven, Topology(1, 4, 64)):
@@ -244,7 +269,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             check_reduce(rows, hidden, topk, dtype)
             cases += 1
-    print(f"{cases} interpreted kernel cases match their references")
+    print(f"{cases + 1} interpreted kernel cases match their references")
     return 0
 
 

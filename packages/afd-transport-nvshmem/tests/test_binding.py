@@ -110,6 +110,8 @@ def test_transport_without_cuda_says_so() -> None:
 
     with pytest.raises(InvalidArgument, match="wait must be 'device' or 'host'"):
         NvshmemOptions(wait="spin")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="publish must be 'stream' or 'kernel', got 'x'"):
+        NvshmemOptions(publish="x")  # type: ignore[arg-type]
 
 
 def test_package_metadata() -> None:

@@ -42,11 +42,11 @@ pytestmark = [
 LAYERS = 4
 
 
-def factory(wait: str = "device"):
+def factory(wait: str = "device", publish: str = "stream"):
     from afd_transport_nvshmem import NvshmemOptions
     from afd_transport_nvshmem.launch_support import nvshmem_transport
 
-    return partial(nvshmem_transport, options=NvshmemOptions(wait=wait))
+    return partial(nvshmem_transport, options=NvshmemOptions(wait=wait, publish=publish))
 
 
 def window(
@@ -58,9 +58,17 @@ def window(
     )
 
 
-@pytest.mark.parametrize("wait", ["device", "host"])
-@pytest.mark.parametrize("shared", ["attention", "ffn"])
-def test_endpoint_matrix(wait: str, shared: str, gpu_placement) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("wait", "shared", "publish"),
+    [
+        ("device", "attention", "stream"),
+        ("device", "ffn", "stream"),
+        ("host", "attention", "stream"),
+        ("host", "ffn", "stream"),
+        ("device", "attention", "kernel"),  # every flag of a dispatch set by one launch
+    ],
+)
+def test_endpoint_matrix(wait: str, shared: str, publish: str, gpu_placement) -> None:  # type: ignore[no-untyped-def]
     jobs = [
         {"layer": 0, "tokens": 256},
         {"layer": 3, "tokens": 7},  # uneven batches, layers out of order
@@ -98,7 +106,7 @@ def test_endpoint_matrix(wait: str, shared: str, gpu_placement) -> None:  # type
         window(ring_depth=2, shared=shared),
         _placed(specs, gpu_placement),
         timeout=240,
-        transport_factory=factory(wait),
+        transport_factory=factory(wait, publish),
     )
     attention = results["attention rank 0"].value
     ffn = results["ffn rank 0"].value

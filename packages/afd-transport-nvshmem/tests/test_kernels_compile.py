@@ -19,6 +19,7 @@ from afd_protocol import HEADER_FIXED_WORDS, Word  # noqa: E402
 from afd_transport_nvshmem import (  # noqa: E402
     device_pack,
     device_wait,
+    flag_publish,
     fused_combine,
     reduce_partials,
 )
@@ -61,6 +62,18 @@ def test_the_pingpong_kernel_compiles() -> None:
         {"local_flag": "*i32", "peer_flag": "*i32", "iterations": "i32"},
         {"INITIATOR": True},
     )
+
+
+def test_the_flag_publish_compiles_to_release_stores_at_system_scope() -> None:
+    compiled = _compile(
+        flag_publish._publish_kernel, {"request": "*i32", "addresses": "*i64"}, {"BLOCK": 8}
+    )
+    ptx = compiled.asm["ptx"]
+    # The values come from pinned host memory, read fresh (volatile), and each flag is set
+    # with a release exchange at system scope: a peer's acquire load then sees the payload.
+    assert "ld.volatile.global" in ptx
+    assert "atom.global.sys.release.exch" in ptx
+    assert "st.global" not in ptx  # no plain store could reach a flag before the release
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

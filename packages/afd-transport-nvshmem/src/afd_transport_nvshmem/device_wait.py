@@ -97,7 +97,7 @@ def _wait_any_kernel(
     tl.atomic_xchg(out + BLOCK, status, sem="release", scope="sys")
 
 
-class _HostPointer:
+class HostPointer:
     """Lets Triton take pinned host memory as a pointer argument (UVA: same address)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -144,11 +144,11 @@ class DeviceWaiter:
         self._args = (
             flags,
             aborts,
-            _HostPointer(self.request),
-            _HostPointer(self.out),
+            HostPointer(self.request),
+            HostPointer(self.out),
             window_words,
             header_offsets,
-            _HostPointer(self.headers),
+            HostPointer(self.headers),
             header_words,
         )
         self._meta = {

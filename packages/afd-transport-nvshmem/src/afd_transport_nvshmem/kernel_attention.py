@@ -208,8 +208,9 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
             )
         )
         self._readback.start(plan.expert_bounds, ring)
+        flag = self._window.flag_index(self._rank, ring)
+        self._transport.publish_all(list(ffn_ranks), flag, [h.seq for h in headers])
         for dest, header in zip(ffn_ranks, headers, strict=True):
-            self._transport.publish(dest, self._window.flag_index(self._rank, ring), header.seq)
             handle.expected[dest] = ExpectedReply(header.seq, None, header.shared_rows)
 
     def _combine_arrived(self, handle: WindowDispatch) -> torch.Tensor:

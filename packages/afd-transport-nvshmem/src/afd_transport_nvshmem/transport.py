@@ -103,8 +103,10 @@ from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
 
 if TYPE_CHECKING:
     from afd_transport_nvshmem.device_wait import DeviceWaiter
+    from afd_transport_nvshmem.flag_publish import FlagPublisher
 
 WaitMode = Literal["device", "host"]
+PublishMode = Literal["stream", "kernel"]
 _ABANDONED_WAITERS: list[DeviceWaiter] = []
 """Device waiters whose kernel may still write their pinned buffers (see ``_abandon``)."""
 POLL_SLICE = 20000
@@ -120,10 +122,16 @@ class NvshmemOptions:
     ``host``: one device-to-host copy of the watched flags per check (the baseline)."""
     wait_graph: bool = True
     """Device waits replay a captured CUDA graph (False: one Triton launch per wait)."""
+    publish: PublishMode = "stream"
+    """How a dispatch's flags are set: ``stream``, one ``cuStreamWriteValue32`` per FFN
+    rank; ``kernel``, one Triton launch for all of them with the values in pinned memory
+    (:mod:`afd_transport_nvshmem.flag_publish`; what a CUDA graph can hold)."""
 
     def __post_init__(self) -> None:
         if self.wait not in ("device", "host"):
             raise InvalidArgument(f"wait must be 'device' or 'host', got {self.wait!r}")
+        if self.publish not in ("stream", "kernel"):
+            raise InvalidArgument(f"publish must be 'stream' or 'kernel', got {self.publish!r}")
 
 
 class _CapturedHeaders(Mapping[int, torch.Tensor]):
@@ -231,6 +239,12 @@ class NvshmemTransport(WindowTransport):
         self._waiter: DeviceWaiter | None = None
         if self.options.wait == "device":
             self._waiter = self._new_waiter()
+        self._publisher: FlagPublisher | None = None
+        if self.options.publish == "kernel":
+            from afd_transport_nvshmem.flag_publish import FlagPublisher
+
+            self._publisher = FlagPublisher(self._device, self.num_peers)
+        self._flag_addresses: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     # ---- the WindowTransport interface ----------------------------------------------------
 
@@ -276,6 +290,19 @@ class NvshmemTransport(WindowTransport):
             stream_write_value32(address, value, torch.cuda.current_stream(self._device))
         else:
             flags[flag_index : flag_index + 1].fill_(value)
+
+    def publish_all(self, peers: Sequence[int], flag_index: int, values: Sequence[int]) -> None:
+        if self._publisher is None or len(peers) != len(values):
+            super().publish_all(peers, flag_index, values)  # (which names a length mismatch)
+            return
+        key = (tuple(peers), flag_index)
+        addresses = self._flag_addresses.get(key)
+        if addresses is None:
+            addresses = [
+                self._peer_flags[self.check_peer(p)].data_ptr() + 4 * flag_index for p in peers
+            ]
+            self._flag_addresses[key] = addresses
+        self._publisher.publish(key, addresses, values)
 
     def wait_any(
         self,

@@ -110,8 +110,13 @@ WAIT_VARIANTS: dict[str, dict[str, Any]] = {
     "device": {"wait": "device", "wait_graph": True},
     "device_launch": {"wait": "device", "wait_graph": False},
     "host": {"wait": "host", "wait_graph": True},
+    "kernel_publish": {"wait": "device", "wait_graph": True, "publish": "kernel"},
 }
-"""``wait_any`` variants, each a transport option set (so each is its own launch)."""
+"""Transport option sets (each its own launch): the ``wait_any`` variants, and the device
+wait with every flag of a dispatch published by one kernel."""
+KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
+"""The 'dev pack' endpoint over the kernel-publish transport (the publish kernel serves the
+packed dispatch)."""
 
 
 def _wait_any_latency(connection: WindowConnection, iterations: int) -> float:
@@ -546,6 +551,11 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     ]
     host_polls = _launch(layer, _with(specs, env), "host")
     times.update(host_polls["attention rank 0"].value)
+    specs[0] = dataclasses.replace(
+        specs[0], kwargs={**specs[0].kwargs, "modes": {"kernel-publish": KERNEL_PUBLISH_MODE}}
+    )
+    kernel_publish = _launch(layer, _with(specs, env), "kernel_publish")
+    times.update(kernel_publish["attention rank 0"].value)
     report["ffn_reply"] = {
         "host_ms": {str(k): v for k, v in ffn.get("reply_host_ms", {}).items()},
         "gpu_ms": {str(k): v for k, v in ffn.get("reply_gpu_ms", {}).items()},
@@ -563,14 +573,17 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         f"comb' = 'device' with the portable combine; 'copied hdr' = 'device' with each header "
         f"copied out of the window (these four side by side, blocks of {ROUNDS_PER_BLOCK} "
         f"rounds interleaved); 'host' = host polls, copied headers, portable combine (a launch "
-        f"of its own: host polls are a transport option). 'floor' = the rows there and back at "
+        f"of its own: host polls are a transport option); 'kern pub' = 'dev pack' with every "
+        f"flag set by one publish kernel (a launch of its own, the transport option "
+        f"publish='kernel'). 'floor' = the rows there and back at "
         f"the same-run peer copy_ bandwidth ({floor_gbs:.0f} GB/s). 'p10-p90' = the spread of "
         f"'device' over its rounds. 'link' = the same bytes at {NVLINK_GBS:.0f} GB/s (a peer "
         f"copy_ between two H200s): what NVLink would add where this run copies through HBM."
     )
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
-        f"{'host':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11} {'p10-p90':>11} "
+        f"{'host':>8} {'kern pub':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11} "
+        f"{'p10-p90':>11} "
         f"{'link':>6}"
     )
     for n in tokens:
@@ -578,11 +591,12 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         floor = nbytes / (floor_gbs * 1e9)
         report["layer"][f"floor/{n}"] = floor
         report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
-        ms = {m: times[f"{m}/{n}"] * 1e3 for m in [*LAYER_MODES, "host"]}
+        ms = {m: times[f"{m}/{n}"] * 1e3 for m in [*LAYER_MODES, "host", "kernel-publish"]}
         spread = f"{times[f'device/{n}/p10'] * 1e3:.2f}-{times[f'device/{n}/p90'] * 1e3:.2f}"
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
-            f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {floor * 1e3:7.2f} "
+            f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {ms['kernel-publish']:8.2f} "
+            f"{floor * 1e3:7.2f} "
             f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11} "
             f"{nbytes / (NVLINK_GBS * 1e9) * 1e3:6.2f}"
         )

@@ -130,6 +130,17 @@ class WindowTransport(abc.ABC):
     def publish(self, peer: int, flag_index: int, value: int) -> None:
         """Make all earlier writes into ``peer``'s window visible, then set its flag word."""
 
+    def publish_all(self, peers: Sequence[int], flag_index: int, values: Sequence[int]) -> None:
+        """:meth:`publish` ``values[i]`` to ``peers[i]``'s flag ``flag_index``, for every
+        ``i``; a transport may set them all in one operation (NVSHMEM's
+        ``publish="kernel"``: one launch)."""
+        if len(peers) != len(values):
+            raise InvalidArgument(
+                f"publish_all takes one value per peer: {len(values)} values for {len(peers)} peers"
+            )
+        for peer, value in zip(peers, values, strict=True):
+            self.publish(peer, flag_index, value)
+
     @abc.abstractmethod
     def wait_any(
         self,
