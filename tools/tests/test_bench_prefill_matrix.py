@@ -318,6 +318,7 @@ def test_a_small_matrix_runs_on_cpu_every_output_verified(small_matrix: SmallMat
     out, data = small_matrix.out, small_matrix.data
     assert out.index("[warm-up, not timed] afd run") < out.index("[1/2] afd run")
     assert data["size"]["requests"] == QUICK.requests
+    assert data["size"]["max_prompt_len"] == SMALL_QUICK.max_prompt_len == 256  # the patch held
     assert data["ttft_slo_s"] == 5.0
     (warm,) = data["warm_up"]  # one preset, one A:F
     assert warm["exit_code"] == 0
@@ -394,6 +395,7 @@ def _main_job_calls() -> list[list[str]]:
 def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     tmp_path: Path,
 ) -> None:
+    from afd_tools.run.sharing import gpu_shares
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
@@ -416,11 +418,11 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
                     assert job.share_gpus
                     assert job.device == "cuda"
                     # a split the GEMM probe refuses on an H200 would only be failed rows
-                    share = job.mps_attention_share
-                    assert share is None or share in VERIFIED_SHARES, argv
-                    if share is not None:  # the FFN ranks split the rest of the GPU
-                        rest = (100 - point.attention_ranks * share) // point.ffn_ranks
-                        assert rest in VERIFIED_SHARES, argv
+                    names = [f"attention rank {r}" for r in range(point.attention_ranks)]
+                    names += [f"ffn rank {r}" for r in range(point.ffn_ranks)]
+                    given = {"attention": job.mps_attention_share, "ffn": job.mps_ffn_share}
+                    shares = gpu_shares("cuda:0", names, given)  # afd run's own split
+                    assert set(shares.values()) <= set(VERIFIED_SHARES), (argv, shares)
     assert layouts == {"1A1F", "2A1F", "3A1F", "2A2F"}
 
 

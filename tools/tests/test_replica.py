@@ -244,7 +244,8 @@ def test_a_sync_step_waits_at_every_dispatch_and_counts_the_barriers_as_waiting(
     assert setup.barriers.lockstep.barriers == ["lockstep before layer 0"] * 2
     assert setup.barriers.wait_s >= 0.04
     assert waited == pytest.approx(0.003 + setup.barriers.wait_s)
-    assert setup.timed.totals.barrier_s == setup.barriers.wait_s
+    # the breakdown marks each wait on the step's clock, just around the host's own timing
+    assert setup.barriers.wait_s <= setup.timed.totals.barrier_s <= setup.barriers.wait_s + 0.01
     assert setup.timed.totals.layers == 2
     assert setup.timed.totals.step_s >= 0.04
 
@@ -357,22 +358,34 @@ class ScriptedDeviceClock(Clock):
         return float(end.t - start.t)
 
 
+DEVICE_STEPS = {
+    # step start, then per dispatch (dispatch start, end, combine start, end), step end
+    AsyncMode: [0.0, 1.0, 1.0625, 2.0, 2.125, 3.0, 3.0625, 4.0, 4.25, 5.0],
+    # sync: each dispatch after a barrier (start, end) the device sat idle through briefly
+    SyncMode: [0.0, 0.5, 0.5625, 1.0, 1.0625, 2.0, 2.125, 2.5, 2.75, 3.0, 3.0625, 4.0, 4.25, 5.0],
+}
+"""A scripted device timeline per mode: the two combines span 0.125 + 0.25 s, sync's two
+barriers 0.0625 + 0.25 s."""
+
+
 @pytest.mark.parametrize("mode", [AsyncMode, SyncMode])
-def test_on_a_gpu_a_step_waits_for_its_combines_span_on_the_device_not_the_hosts(
+def test_on_a_gpu_a_step_waits_for_its_combines_and_barriers_on_the_device_not_the_host(
     mode: type[ReplicaMode],
 ) -> None:
-    """The host spent 0.5 s in each step's combines (its own queued compute finishing
-    too); on the device's timeline the two combines took 0.125 + 0.25 s."""
-    # step start, then (dispatch start, end, combine start, end) twice, then step end
-    times = [0.0, 1.0, 1.0625, 2.0, 2.125, 3.0, 3.0625, 4.0, 4.25, 5.0]
-    setup = _setup(combine_wait_s=0.5)
-    setup.timed.clock = ScriptedDeviceClock(times)
+    """The host spent 0.5 s in each step's combines and 0.05 s at each barrier (its own
+    queued compute still running meanwhile); the device's timeline says how long it
+    waited: 0.375 s in combines, and in sync 0.3125 s at the barriers."""
+    setup = _setup(combine_wait_s=0.5, barrier_s=0.05)
+    setup.timed.clock = ScriptedDeviceClock(DEVICE_STEPS[mode])
     setup.timed.totals = LayerTimes()
     _, waited = mode(setup).step(["entry"], 1, KVCache())
-    barriers = setup.barriers.wait_s if mode is SyncMode else 0.0
+    barriers = 0.0625 + 0.25 if mode is SyncMode else 0.0
     assert waited == pytest.approx(0.125 + 0.25 + barriers)
     assert setup.timed.totals.combine_s == pytest.approx(0.375)
+    assert setup.timed.totals.barrier_s == pytest.approx(barriers)
     assert setup.timed.totals.step_s == pytest.approx(5.0)
+    if mode is SyncMode:
+        assert setup.barriers.wait_s >= 0.1  # the host's 2 x 0.05 s, not what counts
 
 
 def test_on_a_cpu_a_step_waits_for_the_hosts_seconds_in_combine() -> None:

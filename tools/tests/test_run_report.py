@@ -309,3 +309,6 @@ def test_a_run_against_the_monolithic_baseline_calibrates_on_its_afd_modes_alone
     assert [r.mode for r in replayed] == ["async", "sync"]
     dp = dataclasses.replace(base, modes=modes)  # colocated dp: modelled, so kept
     assert set(measured_run(dp, "dp.json").modes) == {"async", "sync", "colocated"}
+    unknown = dataclasses.replace(mono, deployment=dataclasses.replace(DEPLOYMENT, colocated="x"))
+    with pytest.raises(SimError, match="--colocated must be one of \\['dp', 'dp-ep'\\], got 'x'"):
+        replay([measured_run(unknown, "x.json")], load("cpu-tiny"), ("async",))

@@ -116,18 +116,39 @@ def test_measured_and_simulated_replicas_record_the_same_times(
     assert colocated.breakdown.empty
 
 
-def test_an_ffn_item_keeps_its_rank_busy_for_its_host_span_or_its_device_time() -> None:
+def test_an_ffn_rank_is_busy_for_its_items_host_spans_and_their_device_time() -> None:
     """On a CPU the host span holds the compute; on a GPU the host replies once the
-    experts are queued, so a 0.8 s item can span 0.1 s of host time. Busy counts the
-    longer; a span before the mode counts only inside it, and its compute not at all."""
+    experts are queued, so a 0.8 s item can span 0.1 s of host time, and the next item
+    queues behind it on the device. Busy is the union of both, clipped to the mode."""
     replica = ModeResult(done={0: 4.0}, origin=10.0)
     requests = [Request(0, 40, 0.0, 0)]
     intervals = [
-        (10.5, 11.0, 0, 1, 0.25),  # CPU-like: 0.5 s of host, 0.25 s of compute
-        (12.0, 12.1, 0, 2, 0.8),  # GPU-like: 0.1 s of host, 0.8 s on the device
+        (10.5, 11.0, 0, 1, 0.25),  # CPU-like: 0.5 s of host, 0.25 s of compute inside it
+        (12.0, 12.1, 0, 2, 0.8),  # GPU-like: on the device 12.0-12.8
+        (12.5, 12.6, 1, 2, 0.6),  # queued behind it: 12.8-13.4
         (9.0, 10.5, 0, 0, 1.5),  # taken before the mode: its last 0.5 s count
+        (13.9, 14.0, 0, 3, 0.5),  # runs past the end (14.0): clipped
     ]
     s = summarize("async", requests, [replica], [intervals])
-    assert s.ffn_busy == [pytest.approx((0.5 + 0.8 + 0.5) / 4.0)]
-    assert s.breakdown.ffn_items == 2.0
-    assert s.breakdown.ffn_ms_per_item == pytest.approx(1e3 * (0.25 + 0.8) / 2)
+    assert s.ffn_busy == [pytest.approx((0.5 + 0.5 + 1.4 + 0.1) / 4.0)]
+    assert s.breakdown.ffn_items == 4.0  # taken during the mode
+    assert s.breakdown.ffn_ms_per_item == pytest.approx(1e3 * (0.25 + 0.8 + 0.6 + 0.5) / 4)
+    full = [(10.0 + i, 10.1 + i, 0, 0, 2.0) for i in range(4)]  # more work than time
+    assert summarize("async", requests, [replica], [full]).ffn_busy == [1.0]
+
+
+@pytest.mark.parametrize(("kind", "method"), [("cuda", "spawn"), ("cpu", "forkserver")])
+def test_a_launch_spawns_its_ranks_on_gpus_and_forks_them_on_the_cpu(
+    kind: str, method: str
+) -> None:
+    import types
+
+    from afd_tools.run.launches import Launch, _started
+
+    def build(plan: object, progress: object) -> Launch:
+        return Launch(["async"], [], None, [], None, 1, 1, [])  # type: ignore[arg-type]
+
+    plan = types.SimpleNamespace(placement=types.SimpleNamespace(kind=kind))
+    launch = _started(build, plan, None)  # type: ignore[arg-type]
+    assert launch.start_method == method
+    assert launch.modes == ["async"]

@@ -1,8 +1,9 @@
 """``afd bench transport --start-method A --start-method B``: one benchmark under each way
 of starting rank processes, side by side in one run.
 
-afd's launcher forks ranks from a fork server that imported torch (the default) or spawns
-fresh interpreters (``AFD_START_METHOD=spawn``). A per-layer figure that moved between two
+afd's launcher forks ranks from a fork server that imported torch (its default on CPU) or
+spawns fresh interpreters (its default for GPU ranks since this benchmark measured them
+faster per layer; ``AFD_START_METHOD`` picks either). A per-layer figure that moved between two
 runs a day apart -- the NVSHMEM dispatch's host time, 0.67 then 1.04 ms at 1K tokens, with
 the fork server landed in between -- is settled by measuring both in one run: the whole
 benchmark runs once per method in turn, ``rounds`` times (A, B, A, B, ...), and a table

@@ -93,7 +93,8 @@ class LayerTimes:
     step_s: float = 0.0
     """Whole steps on the device's timeline."""
     barrier_s: float = 0.0
-    """Sync mode: host time in the lockstep barrier before each dispatch."""
+    """Sync mode: the lockstep barriers before each dispatch, on the step's clock (the
+    device's timeline on a GPU)."""
     layers: int = 0
 
     def as_dict(self) -> dict[str, float]:

@@ -98,6 +98,33 @@ class ModeSummary:
         )
 
 
+def _busy_spans(
+    intervals: Sequence[tuple[float, ...]], origin: float, end: float
+) -> list[tuple[float, float]]:
+    """When one FFN rank was busy, clipped to ``[origin, end]`` and sorted: each item's
+    host span (taken to replied) and its expert time on the device, which on a GPU the
+    host does not wait for (it replies once the experts are queued): one stream runs the
+    items in the order taken, each from when it was taken or the previous one ended. On
+    a CPU the expert time lies inside the host span, so the host spans are what counts."""
+    spans = []
+    device_free = float("-inf")
+    for taken, replied, *_, compute_s in sorted(intervals):
+        start = max(taken, device_free)
+        device_free = start + compute_s
+        spans += [(taken, replied), (start, device_free)]
+    return sorted((max(a, origin), min(b, end)) for a, b in spans)
+
+
+def _covered(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by the union of sorted ``(start, stop)`` spans (empty ones add 0)."""
+    total, reach = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > max(start, reach):
+            total += stop - max(start, reach)
+            reach = stop
+    return total
+
+
 def summarize(
     mode: str,
     requests: Sequence[Request],
@@ -105,8 +132,7 @@ def summarize(
     ffn_intervals: Sequence[Sequence[tuple[float, ...]]],
 ) -> ModeSummary:
     """Summarise one mode from every replica's record and the FFN intervals
-    (``(taken, replied, replica, layer, expert seconds)`` per work item; an item keeps
-    its rank busy for the longer of its host span and its expert seconds)."""
+    (``(taken, replied, replica, layer, expert seconds)`` per work item)."""
     done: dict[int, float] = {}
     for result in replica_results:
         done.update(result.done)
@@ -120,16 +146,9 @@ def summarize(
     ffn_busy = []
     item_seconds: list[float] = []
     for intervals in ffn_intervals:
-        busy = 0.0
-        for taken, replied, *_, compute_s in intervals:
-            span = max(0.0, min(replied, end) - max(taken, origin))
-            if origin <= taken <= end:  # taken during this mode (modes run one by one)
-                # On a GPU the host replies once the experts are queued: the item's expert
-                # time on the device is how long it kept the rank busy, if longer.
-                span = max(span, float(compute_s))
-                item_seconds.append(float(compute_s))
-            busy += span
-        ffn_busy.append(busy / makespan)
+        ffn_busy.append(_covered(_busy_spans(intervals, origin, end)) / makespan)
+        # Items taken during this mode (modes run one after the other).
+        item_seconds += [float(i[4]) for i in intervals if origin <= i[0] <= end]
     layers = _mean_layer_times([r.layer_times for r in replica_results])
     if item_seconds:
         layers["ffn_ms_per_item"] = 1e3 * statistics.fmean(item_seconds)

@@ -1,8 +1,9 @@
 """Where a MoE layer's time goes, measured on every rank of ``afd run``.
 
 An attention rank's step is cut at its endpoint calls: ``dispatch`` (planning, packing,
-sending), ``combine`` (waiting for the replies and the weighted sum), and everything
-between -- attention, dense layers, router, local shared experts -- counted as compute.
+sending), ``combine`` (waiting for the replies and the weighted sum), sync mode's barrier
+before each dispatch, and everything between -- attention, dense layers, router, local
+shared experts -- counted as compute.
 On a GPU the cuts are CUDA events on the current stream, read once the step has finished,
 so they measure the device's timeline, not the host's enqueue; on the CPU they are clock
 readings. An FFN rank times each work item's expert compute the same way.
@@ -67,10 +68,17 @@ class TimedEndpoint(ForwardingEndpoint):
             if what == "dispatch":
                 self.totals.dispatch_s += seconds
                 self.totals.layers += 1
+            elif what == "barrier":
+                self.totals.barrier_s += seconds
             else:
                 self.totals.combine_s += seconds
         self._marks.clear()
         self._step_start = None
+
+    def add_barrier(self, start: Any, stop: Any) -> None:
+        """Count the span between two of :attr:`clock`'s marks as a barrier of this step
+        (:class:`~afd_tools.run.lockstep.LockstepEndpoint`'s, marked around its wait)."""
+        self._marks.append(("barrier", start, stop))
 
     def forward_dispatch(self, call: DispatchCall) -> DispatchHandle:
         """Time the wrapped endpoint's dispatch."""

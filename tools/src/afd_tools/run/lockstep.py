@@ -26,6 +26,7 @@ from afd_protocol import (
     process_alive,
     supervisor_from_env,
 )
+from afd_tools.run.breakdown import TimedEndpoint
 from afd_tools.run.forwarding import DispatchCall, ForwardingEndpoint
 
 _MESSAGE = struct.Struct("<iq")
@@ -103,7 +104,11 @@ class Lockstep:
 class LockstepEndpoint(ForwardingEndpoint):
     """An attention endpoint whose every dispatch first waits for all replicas: the
     lockstep of synchronous AFD, as an :class:`~afd_protocol.AttentionEndpoint`.
-    :attr:`wait_s` adds up the seconds spent in those waits (reset it per step)."""
+    :attr:`wait_s` adds up the host's seconds in those waits (reset it per step). Over a
+    :class:`~afd_tools.run.breakdown.TimedEndpoint` each wait is also marked on its clock,
+    so the step's breakdown counts the barrier on the device's timeline: on a GPU the host
+    may reach the barrier while its own compute still runs, and only the time the device
+    then sits idle is the barrier's."""
 
     def __init__(self, endpoint: AttentionEndpoint, lockstep: Lockstep, timeout: float) -> None:
         super().__init__(endpoint)
@@ -113,9 +118,13 @@ class LockstepEndpoint(ForwardingEndpoint):
 
     def forward_dispatch(self, call: DispatchCall) -> DispatchHandle:
         """Wait for every replica, then dispatch."""
+        timed = self.endpoint if isinstance(self.endpoint, TimedEndpoint) else None
+        marked = timed.clock.mark() if timed is not None else None
         start = time.monotonic()
         self.lockstep.barrier(self.timeout, f"lockstep before layer {call.layer_idx}")
         self.wait_s += time.monotonic() - start
+        if timed is not None:
+            timed.add_barrier(marked, timed.clock.mark())
         return super().forward_dispatch(call)
 
 

@@ -140,7 +140,7 @@ class ChunkLoop:
 
         The largest step is for GPUs: it grows the caching allocator to about its peak and
         loads the large-batch kernels, which on one H200 under MPS made a launch's first
-        mode run its layers 2-3x slower than the modes after it (``docs/benchmarks.md``).
+        mode run its layers 1.4-3.1x slower than the modes after it (``docs/benchmarks.md``).
         On a CPU neither cost exists, and the step would only lengthen every run."""
         batches = [[torch.zeros(min(4, self.max_tokens), dtype=torch.long)]]
         if not largest_step:
@@ -337,9 +337,12 @@ class ReplicaSetup:
         (:meth:`ChunkLoop.warm_up_batches`: allocations, first-call dispatch, kernel loads)
         before anything is timed, then freeze the start-up heap (no full garbage collection
         of it inside a mode)."""
-        for warm in self.loop.warm_up_batches(largest_step=self.device.type == "cuda"):
+        batches = self.loop.warm_up_batches(largest_step=self.device.type == "cuda")
+        for index, warm in enumerate(batches):
             if self.expert_parallel is not None:  # every rank pads to the same rows
-                self.expert_parallel.begin_step(max(len(warm[0]), self.loop.max_tokens))
+                self.expert_parallel.begin_step(
+                    len(warm[0]) if index == 0 else self.loop.max_tokens
+                )
             self.model.forward(warm, self.endpoint, compute_logits=False)
             if self.monolithic is not None:
                 self.monolithic.forward(warm, compute_logits=False)
@@ -383,24 +386,23 @@ class ReplicaMode:
         )
 
     waits_in_combine: ClassVar[bool] = False
-    """Whether :meth:`forward`'s waiting includes the model's host seconds in combine
-    (``model.stats.combine_wait_s``), which a GPU's timeline replaces (:meth:`step`)."""
+    """Whether :meth:`forward`'s waiting is the host's seconds in combine (and in sync
+    mode's barriers), which a GPU's timeline replaces (:meth:`step`)."""
 
     def step(self, entries: list[Prompt], rows: int, cache: KVCache) -> StepOutput:
         """:meth:`forward`, timed per endpoint call; returns once the device finished it.
 
         On a GPU the host runs ahead of the device, so the host's seconds in ``combine``
-        also cover this rank's own compute still queued before it: the step's waiting there
-        is the combines' span on the device's timeline instead (what the breakdown's
-        combine column measures), so that busy + waiting describe the device."""
+        (and at a barrier) also cover this rank's own compute still queued before it: the
+        step's waiting is the combines' and barriers' spans on the device's timeline
+        instead (the breakdown's columns), so that busy + waiting describe the device."""
         timed = self.setup.timed
         timed.begin_step()
         output, waited = self.forward(entries, rows, cache)
-        combined = timed.totals.combine_s
+        combined, barred = timed.totals.combine_s, timed.totals.barrier_s
         timed.end_step()  # waits for the device: the step's end is when its work ended
         if self.waits_in_combine and timed.clock.cuda:
-            on_device = timed.totals.combine_s - combined
-            waited += on_device - self.setup.model.stats.combine_wait_s
+            waited = timed.totals.combine_s - combined + timed.totals.barrier_s - barred
         return output, waited
 
     def run(self) -> ModeResult:
@@ -439,8 +441,7 @@ class SyncMode(ReplicaMode):
         setup = self.setup
         barriers = setup.barriers
         barriers.wait_s = 0.0
-        output = self.prefill(entries, barriers, cache)
-        setup.timed.totals.barrier_s += barriers.wait_s
+        output = self.prefill(entries, barriers, cache)  # the barriers' breakdown: marked
         return output, setup.model.stats.combine_wait_s + barriers.wait_s
 
 

@@ -90,7 +90,7 @@ class MeasuredRun:
         measured against the monolithic model on a whole GPU (``mono``) has no such mode:
         its ``colocated`` figures are not in :attr:`modes` (:func:`measured_run`), and
         ``dp`` stands in here, only so its AFD modes can be simulated."""
-        return self.deployment.colocated if self.deployment.colocated in SIMULATED else "dp"
+        return "dp" if self.deployment.colocated == MONOLITHIC else self.deployment.colocated
 
     @property
     def assign(self) -> str:
@@ -132,17 +132,18 @@ def parse_report(report: Any, where: str) -> MeasuredRun:
     return measured_run(typed, where)
 
 
-SIMULATED = ("dp", "dp-ep")
-"""The colocated baselines the simulator has a model of. ``mono`` (the whole model in one
-process on a whole GPU, the one-GPU baseline) runs outside the MPS shares the cost model
-is calibrated at, so its measurements are left out of calibrations and validations."""
+MONOLITHIC = "mono"
+"""``afd run --colocated mono``: the whole model in one process on a whole GPU, the
+one-GPU baseline. It runs outside the MPS shares the cost model is calibrated at (the
+simulator models ``dp`` and ``dp-ep``), so its measurements are left out of calibrations
+and validations; any other colocated value the simulator does not know stays an error."""
 
 
 def measured_run(report: RunReport, where: str) -> MeasuredRun:
     """The simulator's view of a typed run report (without a ``mono`` colocated mode:
-    :data:`SIMULATED`)."""
+    :data:`MONOLITHIC`)."""
     modes = dict(report.modes)
-    if report.deployment.colocated not in SIMULATED:
+    if report.deployment.colocated == MONOLITHIC:
         modes.pop("colocated", None)
     return MeasuredRun(
         source=where,
