@@ -444,7 +444,10 @@ def test_a_launch_gets_its_ranks_mps_environments_and_the_daemon_ends_with_it(
     monkeypatch.setattr(sharing, "start_daemon", start)
     seen: list[dict[str, dict[str, str]]] = []
 
-    def fake_launch(window: Any, specs: list[RankSpec], timeout: Any, factory: Any) -> Any:
+    def fake_launch(
+        window: Any, specs: list[RankSpec], timeout: Any, factory: Any, start_method: str
+    ) -> Any:
+        assert start_method == "forkserver"  # the launch's own (_group makes no GPU plan)
         (daemon,) = started
         assert daemon_processes(daemon.pipe_directory)  # alive while the ranks run
         seen.append({s.name: dict(s.env) for s in specs})
@@ -488,7 +491,9 @@ def test_a_launch_without_shared_gpus_starts_no_daemon(monkeypatch: pytest.Monke
     monkeypatch.setattr(sharing, "start_daemon", no_daemon)
     seen: list[dict[str, dict[str, str]]] = []
 
-    def fake_launch(window: Any, specs: list[RankSpec], timeout: Any, factory: Any) -> Any:
+    def fake_launch(
+        window: Any, specs: list[RankSpec], timeout: Any, factory: Any, start_method: str
+    ) -> Any:
         seen.append({s.name: dict(s.env) for s in specs})
         return {
             "attention rank 0": _Result({"async": None}),
