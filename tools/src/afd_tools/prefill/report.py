@@ -68,7 +68,8 @@ def print_report(
         console.print(layers)
         console.print(
             "  compute: everything between the endpoint calls (attention, dense layers, router, "
-            "local shared experts); barrier: sync mode's wait for the other replicas (host clock); "
+            "local shared experts); barrier: sync mode's wait for the other replicas (on a GPU, "
+            "the device's idle time at it); "
             "dispatch in colocated dp-ep: "
             "the collectives and the local experts"
         )
