@@ -229,20 +229,27 @@ def check_publish() -> None:
     first, second = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
     publisher = FlagPublisher(torch.device("cpu"), max_flags=3)
     addresses = [first.data_ptr() + 4 * 5, second.data_ptr() + 4 * 2]
-    publisher.publish("ring 0", addresses, [7, -9])
+    publisher.publish("ring 0", [7, -9], lambda: addresses)
     want_first, want_second = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
     want_first[5], want_second[2] = 7, -9
     assert torch.equal(first, want_first), first
     assert torch.equal(second, want_second), second
-    publisher.publish("ring 0", addresses, [2**31 - 1, 1])  # the same key: its block reused
+
+    def not_again() -> list[int]:
+        raise AssertionError("a key's addresses are read on its first publish only")
+
+    publisher.publish("ring 0", [2**31 - 1, 1], not_again)  # the same key: its block reused
     want_first[5], want_second[2] = 2**31 - 1, 1
     assert torch.equal(first, want_first), first
     assert torch.equal(second, want_second), second
     import pytest
 
-    for values, where in (([], []), ([1, 2, 3, 4], [0, 0, 0, 0]), ([1], addresses)):
-        with pytest.raises(ValueError, match=r"a publish sets 1\.\.3 flags, one value per address"):
-            publisher.publish("bad", where, values)
+    with pytest.raises(ValueError, match=r"a publish sets 1\.\.3 flags, got 0"):
+        publisher.publish("none", [], list)
+    with pytest.raises(ValueError, match=r"a publish sets 1\.\.3 flags, got 4"):
+        publisher.publish("four", [1, 2, 3, 4], lambda: [0, 0, 0, 0])
+    with pytest.raises(ValueError, match="one value per address; got 1 values for 2 addresses"):
+        publisher.publish("ring 0", [1], not_again)
 
 
 def main() -> int:

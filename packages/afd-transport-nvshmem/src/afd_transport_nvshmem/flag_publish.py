@@ -26,7 +26,7 @@ value, made once per key.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,21 +74,26 @@ class FlagPublisher:
         self._max = max_flags
         self._targets: dict[Hashable, _Target] = {}
 
-    def publish(self, key: Hashable, addresses: Sequence[int], values: Sequence[int]) -> None:
-        """Store ``values[i]`` into the int32 word at ``addresses[i]``, after everything
-        earlier on the current stream. ``addresses`` must be the same for every publish
-        with ``key`` (they are read once per key)."""
+    def publish(
+        self, key: Hashable, values: Sequence[int], addresses: Callable[[], Sequence[int]]
+    ) -> None:
+        """Store ``values[i]`` into the int32 word at ``addresses()[i]``, after everything
+        earlier on the current stream. ``addresses`` is called on a key's first publish
+        only: every publish with ``key`` sets the same words."""
         n = len(values)
-        if not 1 <= n <= self._max or len(addresses) != n:
-            raise ValueError(
-                f"a publish sets 1..{self._max} flags, one value per address; got "
-                f"{n} values for {len(addresses)} addresses"
-            )
         target = self._targets.get(key)
         if target is None:
-            target = self._target(addresses)
+            where = addresses()
+            if not 1 <= len(where) <= self._max:
+                raise ValueError(f"a publish sets 1..{self._max} flags, got {len(where)}")
+            target = self._target(where)
             self._targets[key] = target
-        elif target.done is not None and not target.done.query():
+        if n != target.addresses.numel():
+            raise ValueError(
+                f"a publish sets 1..{self._max} flags, one value per address; got {n} values "
+                f"for {target.addresses.numel()} addresses"
+            )
+        if target.done is not None and not target.done.query():
             target.done.synchronize()  # the previous launch still reads this block
         target.words[0] = n
         target.words[1 : n + 1] = list(values)

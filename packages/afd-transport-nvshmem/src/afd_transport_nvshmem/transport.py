@@ -244,7 +244,6 @@ class NvshmemTransport(WindowTransport):
             from afd_transport_nvshmem.flag_publish import FlagPublisher
 
             self._publisher = FlagPublisher(self._device, self.num_peers)
-        self._flag_addresses: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     # ---- the WindowTransport interface ----------------------------------------------------
 
@@ -295,14 +294,11 @@ class NvshmemTransport(WindowTransport):
         if self._publisher is None or len(peers) != len(values):
             super().publish_all(peers, flag_index, values)  # (which names a length mismatch)
             return
-        key = (tuple(peers), flag_index)
-        addresses = self._flag_addresses.get(key)
-        if addresses is None:
-            addresses = [
-                self._peer_flags[self.check_peer(p)].data_ptr() + 4 * flag_index for p in peers
-            ]
-            self._flag_addresses[key] = addresses
-        self._publisher.publish(key, addresses, values)
+
+        def addresses() -> list[int]:
+            return [self._peer_flags[self.check_peer(p)].data_ptr() + 4 * flag_index for p in peers]
+
+        self._publisher.publish((tuple(peers), flag_index), values, addresses)
 
     def wait_any(
         self,

@@ -115,10 +115,11 @@ class LockstepEndpoint(ForwardingEndpoint):
         self.lockstep = lockstep
         self.timeout = timeout
         self.wait_s = 0.0
+        self._timed = endpoint if isinstance(endpoint, TimedEndpoint) else None
 
     def forward_dispatch(self, call: DispatchCall) -> DispatchHandle:
         """Wait for every replica, then dispatch."""
-        timed = self.endpoint if isinstance(self.endpoint, TimedEndpoint) else None
+        timed = self._timed
         marked = timed.clock.mark() if timed is not None else None
         start = time.monotonic()
         self.lockstep.barrier(self.timeout, f"lockstep before layer {call.layer_idx}")
