@@ -242,6 +242,16 @@ def check_publish() -> None:
     want_first[5], want_second[2] = 2**31 - 1, 1
     assert torch.equal(first, want_first), first
     assert torch.equal(second, want_second), second
+    block = publisher.block("ring 0", not_again)
+    block.prepare()  # loads the kernel, sets nothing
+    assert torch.equal(first, want_first), first
+    assert torch.equal(second, want_second), second
+    block.write([3, 4])  # the capturable half: values now, stores when launched
+    assert torch.equal(first, want_first), first
+    block.launch()
+    want_first[5], want_second[2] = 3, 4
+    assert torch.equal(first, want_first), first
+    assert torch.equal(second, want_second), second
     import pytest
 
     with pytest.raises(ValueError, match=r"a publish sets 1\.\.3 flags, got 0"):

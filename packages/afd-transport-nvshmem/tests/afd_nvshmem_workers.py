@@ -191,4 +191,5 @@ def attention_jobs(
         torch.cuda.synchronize(connection.device)
     ep.announce_shutdown()
     out["header_reads"] = dict(getattr(ep, "header_reads", {}))
+    out["graph_replays"] = getattr(ep, "replays", None)  # a graph-replayed endpoint's count
     return out

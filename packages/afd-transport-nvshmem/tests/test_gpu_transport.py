@@ -42,11 +42,12 @@ pytestmark = [
 LAYERS = 4
 
 
-def factory(wait: str = "device", publish: str = "stream"):
+def factory(wait: str = "device", publish: str = "stream", graphs: int = 0):
     from afd_transport_nvshmem import NvshmemOptions
     from afd_transport_nvshmem.launch_support import nvshmem_transport
 
-    return partial(nvshmem_transport, options=NvshmemOptions(wait=wait, publish=publish))
+    options = NvshmemOptions(wait=wait, publish=publish, exchange_graphs=graphs)
+    return partial(nvshmem_transport, options=options)
 
 
 def window(
@@ -129,7 +130,41 @@ def test_endpoint_matrix(wait: str, shared: str, publish: str, gpu_placement) ->
         assert ffn["header_reads"]["copied"] >= ffn["served"] + 1
 
 
-def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(gpu_placement) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_graph_replayed_exchange_matches_the_reference(shared: str, gpu_placement) -> None:  # type: ignore[no-untyped-def]
+    """``NvshmemOptions(exchange_graphs=4)``: each (token count, ring) runs eagerly once,
+    then its dispatch and combine are captured and replayed; every output matches the
+    reference, with the combine free of host synchronisation."""
+    counts = [64] * 8 + [100] * 4 + [7] * 4 + [64] * 2
+    jobs = [{"layer": i % LAYERS, "tokens": n} for i, n in enumerate(counts)]
+    specs = [
+        RankSpec(
+            Role.ATTENTION,
+            0,
+            workers.attention_jobs,
+            {"layers": LAYERS, "seed": 3, "jobs": jobs, "in_flight": 2, "check_no_sync": True},
+        ),
+        RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 3}),
+    ]
+    results = launch(
+        window(ring_depth=2, shared=shared),
+        _placed(specs, gpu_placement),
+        timeout=240,
+        transport_factory=factory(graphs=4),
+    )
+    attention = results["attention rank 0"].value
+    assert len(attention["errors"]) == len(jobs)
+    assert max(attention["errors"]) <= 2e-2, attention["errors"]
+    # Two stages in flight use both rings: 3 counts x 2 rings eager, the other 12 replayed.
+    assert attention["graph_replays"] == len(jobs) - 6
+    assert results["ffn rank 0"].value["served"] == len(jobs)
+
+
+@pytest.mark.parametrize("graphs", [0, 4])
+def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(
+    graphs: int, gpu_placement
+) -> None:  # type: ignore[no-untyped-def]
+    """Also while the attention side replays its exchange from CUDA graphs."""
     jobs = [{"layer": i % LAYERS, "tokens": 32} for i in range(200)]
     specs = [
         RankSpec(
@@ -138,7 +173,12 @@ def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(gpu_placeme
         RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 2, "die_after": 3}),
     ]
     with pytest.raises(LaunchError) as caught:
-        launch(window(), _placed(specs, gpu_placement), timeout=240, transport_factory=factory())
+        launch(
+            window(),
+            _placed(specs, gpu_placement),
+            timeout=240,
+            transport_factory=factory(graphs=graphs),
+        )
     results = caught.value.results
     assert results["ffn rank 0"].error == "killed by SIGKILL"
     # Found dead by the liveness check, not by waiting out the 60 s timeout (a PeerTimeout).

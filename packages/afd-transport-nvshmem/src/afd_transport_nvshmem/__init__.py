@@ -22,12 +22,17 @@ def __getattr__(name: str) -> object:
         from afd_transport_nvshmem import transport
 
         return getattr(transport, name)
+    if name == "GraphedAttentionEndpoint":
+        from afd_transport_nvshmem import graphed_attention
+
+        return graphed_attention.GraphedAttentionEndpoint
     raise AttributeError(name)
 
 
 __all__ = [
     "SINGLE_NODE_DEFAULTS",
     "STRUCT_SIZES",
+    "GraphedAttentionEndpoint",
     "NvshmemConnection",
     "NvshmemLibrary",
     "NvshmemOptions",

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from afd_protocol.window import PublishBlock
 from afd_transport_nvshmem.device_wait import HostPointer
 
 
@@ -48,17 +48,59 @@ def _publish_kernel(request, addresses, BLOCK: tl.constexpr):
     tl.atomic_xchg(flags, values, mask=mask, sem="release", scope="sys")
 
 
-@dataclass
-class _Target:
-    """One key's flag addresses (device) and request block (pinned), with the event
-    recorded after its last launch (None on the CPU, where the interpreter runs inline)."""
+class FlagBlock(PublishBlock):
+    """One key's flags: the addresses (int64, on the device) and the request block (pinned),
+    with the event recorded after its last eager launch (None on the CPU, where the
+    interpreter runs inline). :meth:`launch` is what a CUDA graph captures; :meth:`publish`
+    is the eager write-and-launch."""
 
-    addresses: torch.Tensor
-    request: torch.Tensor
-    argument: torch.Tensor | HostPointer
-    """How the kernel takes :attr:`request`: pinned host memory as a pointer on a GPU."""
-    words: ctypes.Array[ctypes.c_int32]
-    done: torch.Event | None
+    def __init__(self, device: torch.device, block: int, addresses: Sequence[int]) -> None:
+        on_gpu = device.type == "cuda"
+        self._device = device
+        self._block = block
+        self._request = torch.zeros(1 + block, dtype=torch.int32, pin_memory=on_gpu)
+        self._words = (ctypes.c_int32 * self._request.numel()).from_address(
+            self._request.data_ptr()
+        )
+        self._addresses = torch.tensor(list(addresses), dtype=torch.int64).to(device)
+        self._argument: torch.Tensor | HostPointer = (
+            HostPointer(self._request) if on_gpu else self._request
+        )
+        self._done = torch.Event(device=device) if on_gpu else None
+
+    @property
+    def size(self) -> int:
+        return self._addresses.numel()
+
+    def write(self, values: Sequence[int]) -> None:
+        self._check(values)
+        n = len(values)
+        self._words[0] = n
+        self._words[1 : n + 1] = list(values)
+
+    def launch(self) -> None:
+        _publish_kernel[(1,)](self._argument, self._addresses, BLOCK=self._block)
+
+    def prepare(self) -> None:
+        """Compile and load the kernel with a launch that sets no flag (the block's count is
+        0 while it runs); returns once it ran."""
+        if self._done is not None and not self._done.query():
+            self._done.synchronize()
+        self._words[0] = 0
+        self.launch()
+        if self._done is not None:
+            self._done.record(torch.cuda.current_stream(self._device))
+            self._done.synchronize()  # before the host writes the next count
+
+    def publish(self, values: Sequence[int]) -> None:
+        """Write ``values`` and launch, eagerly (waiting first if the previous launch out of
+        this block has not run yet)."""
+        if self._done is not None and not self._done.query():
+            self._done.synchronize()  # the previous launch still reads this block
+        self.write(values)
+        self.launch()
+        if self._done is not None:
+            self._done.record(torch.cuda.current_stream(self._device))
 
 
 class FlagPublisher:
@@ -72,7 +114,7 @@ class FlagPublisher:
         self._device = device
         self._block = triton.next_power_of_2(max_flags)
         self._max = max_flags
-        self._targets: dict[Hashable, _Target] = {}
+        self._targets: dict[Hashable, FlagBlock] = {}
 
     def publish(
         self, key: Hashable, values: Sequence[int], addresses: Callable[[], Sequence[int]]
@@ -80,32 +122,21 @@ class FlagPublisher:
         """Store ``values[i]`` into the int32 word at ``addresses()[i]``, after everything
         earlier on the current stream. ``addresses`` is called on a key's first publish
         only: every publish with ``key`` sets the same words."""
-        n = len(values)
+        target = self.block(key, addresses)
+        if len(values) != target.size:
+            raise ValueError(
+                f"a publish sets 1..{self._max} flags, one value per address; got "
+                f"{len(values)} values for {target.size} addresses"
+            )
+        target.publish(values)
+
+    def block(self, key: Hashable, addresses: Callable[[], Sequence[int]]) -> FlagBlock:
+        """``key``'s :class:`FlagBlock` (made on first use, from ``addresses()``)."""
         target = self._targets.get(key)
         if target is None:
             where = addresses()
             if not 1 <= len(where) <= self._max:
                 raise ValueError(f"a publish sets 1..{self._max} flags, got {len(where)}")
-            target = self._target(where)
+            target = FlagBlock(self._device, self._block, where)
             self._targets[key] = target
-        if n != target.addresses.numel():
-            raise ValueError(
-                f"a publish sets 1..{self._max} flags, one value per address; got {n} values "
-                f"for {target.addresses.numel()} addresses"
-            )
-        if target.done is not None and not target.done.query():
-            target.done.synchronize()  # the previous launch still reads this block
-        target.words[0] = n
-        target.words[1 : n + 1] = list(values)
-        _publish_kernel[(1,)](target.argument, target.addresses, BLOCK=self._block)
-        if target.done is not None:
-            target.done.record(torch.cuda.current_stream(self._device))
-
-    def _target(self, addresses: Sequence[int]) -> _Target:
-        on_gpu = self._device.type == "cuda"
-        request = torch.zeros(1 + self._block, dtype=torch.int32, pin_memory=on_gpu)
-        words = (ctypes.c_int32 * request.numel()).from_address(request.data_ptr())
-        table = torch.tensor(list(addresses), dtype=torch.int64).to(self._device)
-        argument = HostPointer(request) if on_gpu else request
-        done = torch.Event(device=self._device) if on_gpu else None
-        return _Target(table, request, argument, words, done)
+        return target

@@ -31,6 +31,7 @@ from afd_protocol import (
     DevicePlan,
     DispatchPlan,
     EndpointOptions,
+    Header,
     InvalidArgument,
     WireOrder,
     check_expert_bounds,
@@ -170,24 +171,51 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         self, handle: WindowDispatch, plan: DevicePlan, hidden_states: torch.Tensor
     ) -> None:
         """Every FFN rank gets this layer: rows and headers written by the device pack."""
-        assert self._pack is not None
         ring = handle.ring
+        headers = self._packed_headers(handle)
+        self._uploads.copy(self._fixed_words[ring].view(-1), fixed_words(headers), ("fixed", ring))
+        self._pack_rows(ring, plan, hidden_states, handle.topk_ids, handle.topk_weights)
+        self._readback.start(plan.expert_bounds, ring)
+        flag = self._window.flag_index(self._rank, ring)
+        ffn_ranks = list(range(self._topology.num_ffn_ranks))
+        self._transport.publish_all(ffn_ranks, flag, [h.seq for h in headers])
+        self._expect(handle, headers)
+
+    def _packed_headers(self, handle: WindowDispatch) -> list[Header]:
+        """Every FFN rank's header of a packed dispatch (ROUTED_ROWS, the counts and the
+        checksum are left for the pack to write); each takes a sequence number."""
+        return [
+            self._header(handle, dest, 0, (0,) * self._slot.num_local_experts(dest))
+            for dest in range(self._topology.num_ffn_ranks)
+        ]
+
+    def _expect(self, handle: WindowDispatch, headers: list[Header]) -> None:
+        """Record what every FFN rank's reply to a packed dispatch must say."""
+        for dest, header in enumerate(headers):
+            handle.expected[dest] = ExpectedReply(header.seq, None, header.shared_rows)
+
+    def _pack_rows(
+        self,
+        ring: int,
+        plan: DevicePlan,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> None:
+        """Enqueue the writes of a packed dispatch into ring ``ring`` of every FFN rank: shared
+        rows, then the device pack (rows, route index, headers from ``_fixed_words[ring]``).
+        ``hidden_states`` ``[T, H]``, ``topk_ids`` and ``topk_weights`` ``[T, k]``, all on
+        this rank's device; no host read (a CUDA graph can hold it)."""
+        assert self._pack is not None
         ffn_ranks = range(self._topology.num_ffn_ranks)
-        fixed: list[int] = []
-        headers = []
         for dest in ffn_ranks:
-            # ROUTED_ROWS, the counts and the checksum are left for the pack to write.
-            counts = (0,) * self._slot.num_local_experts(dest)
-            header = self._dispatch_header(handle, hidden_states, dest, 0, counts)
-            fixed += encode_words(header)[:HEADER_FIXED_WORDS]
-            headers.append(header)
-        self._uploads.copy(self._fixed_words[ring].view(-1), fixed, ("fixed", ring))
+            self._write_shared_rows(plan, ring, hidden_states, dest)
         views = [self._send_views[d][ring] for d in ffn_ranks]
         token_rows = None
         if self._slot.per_rank:
             token_rows = TokenRowInputs(
-                topk_ids=handle.topk_ids,
-                topk_weights=handle.topk_weights,
+                topk_ids=topk_ids,
+                topk_weights=topk_weights,
                 expert_owner=self._expert_owner,
                 expert_local_id=self._expert_local_id,
                 route_ids=tuple(v.route_ids for v in views),
@@ -207,11 +235,6 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 token_row_inputs=token_rows,
             )
         )
-        self._readback.start(plan.expert_bounds, ring)
-        flag = self._window.flag_index(self._rank, ring)
-        self._transport.publish_all(list(ffn_ranks), flag, [h.seq for h in headers])
-        for dest, header in zip(ffn_ranks, headers, strict=True):
-            handle.expected[dest] = ExpectedReply(header.seq, None, header.shared_rows)
 
     def _combine_arrived(self, handle: WindowDispatch) -> torch.Tensor:
         plan = handle.plan
@@ -231,18 +254,36 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
             weights = self._unit_weights[: plan.num_tokens]
         else:
             wire_position, weights = plan.wire_position, handle.topk_weights
-        return self._kernels.fused_combine(
-            CombineInputs(
-                rows=self._rows,
-                routed_starts=self._routed_starts[ring],
-                shared_starts=None if self._shared_starts is None else self._shared_starts[ring],
-                segment_offsets=handle.device_segments,
-                wire_position=wire_position,
-                topk_weights=weights,
-                hidden_size=self._slot.hidden_size,
-                out_dtype=handle.dtype,
-            )
+        inputs = self._combine_inputs(
+            ring, handle.device_segments, wire_position, weights, handle.dtype
         )
+        return self._kernels.fused_combine(inputs)
+
+    def _combine_inputs(
+        self,
+        ring: int,
+        segments: torch.Tensor,
+        wire_position: torch.Tensor,
+        weights: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> CombineInputs:
+        """The fused combine's inputs for replies in ring ``ring`` (see
+        :class:`~.kernel_specs.CombineInputs`)."""
+        return CombineInputs(
+            rows=self._rows,
+            routed_starts=self._routed_starts[ring],
+            shared_starts=None if self._shared_starts is None else self._shared_starts[ring],
+            segment_offsets=segments,
+            wire_position=wire_position,
+            topk_weights=weights,
+            hidden_size=self._slot.hidden_size,
+            out_dtype=dtype,
+        )
+
+
+def fixed_words(headers: list[Header]) -> list[int]:
+    """The words before the counts of every header, concatenated (``[F * FIXED]``)."""
+    return [w for header in headers for w in encode_words(header)[:HEADER_FIXED_WORDS]]
 
 
 class KernelWindowConnection(WindowConnection):

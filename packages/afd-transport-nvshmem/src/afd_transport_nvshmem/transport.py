@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from afd_protocol import (
+    EndpointOptions,
     InvalidArgument,
     KeyValueStore,
     PeerAborted,
@@ -86,6 +87,7 @@ from afd_protocol import (
 )
 from afd_protocol.window import (
     Arrivals,
+    PublishBlock,
     WindowTransport,
     abort_words,
     flag_words,
@@ -97,7 +99,8 @@ from afd_transport_nvshmem.cuda_memory import (
     stream_memops_available,
     stream_write_value32,
 )
-from afd_transport_nvshmem.kernel_attention import KernelWindowConnection
+from afd_transport_nvshmem.graphed_attention import GraphedAttentionEndpoint
+from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint, KernelWindowConnection
 from afd_transport_nvshmem.kernel_specs import WindowKernels
 from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
 
@@ -126,8 +129,17 @@ class NvshmemOptions:
     """How a dispatch's flags are set: ``stream``, one ``cuStreamWriteValue32`` per FFN
     rank; ``kernel``, one Triton launch for all of them with the values in pinned memory
     (:mod:`afd_transport_nvshmem.flag_publish`; what a CUDA graph can hold)."""
+    exchange_graphs: int = 0
+    """Attention endpoints replay each layer's packed dispatch and fused combine from CUDA
+    graphs, holding up to this many token counts
+    (:class:`~afd_transport_nvshmem.graphed_attention.GraphedAttentionEndpoint`); 0: eager."""
 
     def __post_init__(self) -> None:
+        if self.exchange_graphs < 0:
+            raise InvalidArgument(
+                f"exchange_graphs is how many token counts are held as CUDA graphs (0: none), "
+                f"got {self.exchange_graphs}"
+            )
         if self.wait not in ("device", "host"):
             raise InvalidArgument(f"wait must be 'device' or 'host', got {self.wait!r}")
         if self.publish not in ("stream", "kernel"):
@@ -240,6 +252,7 @@ class NvshmemTransport(WindowTransport):
         if self.options.wait == "device":
             self._waiter = self._new_waiter()
         self._publisher: FlagPublisher | None = None
+        self._block_publisher: FlagPublisher | None = None
         if self.options.publish == "kernel":
             from afd_transport_nvshmem.flag_publish import FlagPublisher
 
@@ -299,6 +312,22 @@ class NvshmemTransport(WindowTransport):
             return [self._peer_flags[self.check_peer(p)].data_ptr() + 4 * flag_index for p in peers]
 
         self._publisher.publish((tuple(peers), flag_index), values, addresses)
+
+    def publish_block(self, peers: Sequence[int], flag_index: int) -> PublishBlock:
+        """One Triton launch with a release store at system scope per flag, values read from
+        pinned memory when it runs (:class:`~afd_transport_nvshmem.flag_publish.FlagBlock`;
+        the graph-replayed exchange captures it). Shares the ``publish="kernel"`` blocks."""
+        publisher = self._publisher or self._block_publisher
+        if publisher is None:  # publish="stream": blocks of their own, publish_all unchanged
+            from afd_transport_nvshmem.flag_publish import FlagPublisher
+
+            publisher = self._block_publisher = FlagPublisher(self._device, self.num_peers)
+        wanted = [self.check_peer(p) for p in peers]
+
+        def addresses() -> list[int]:
+            return [self._peer_flags[p].data_ptr() + 4 * flag_index for p in wanted]
+
+        return publisher.block((tuple(wanted), flag_index), addresses)
 
     def wait_any(
         self,
@@ -452,3 +481,19 @@ class NvshmemConnection(KernelWindowConnection):
         from afd_transport_nvshmem.kernels import triton_kernels
 
         return triton_kernels()
+
+    def attention_endpoint(self, options: EndpointOptions | None = None) -> KernelAttentionEndpoint:
+        """This attention rank's endpoint with the Triton kernels, graph-replayed when the
+        transport was opened with ``NvshmemOptions(exchange_graphs=N)``."""
+        graphs = self.transport.options.exchange_graphs
+        if graphs:
+            return self.graphed_attention_endpoint(options, graphs)
+        return super().attention_endpoint(options)
+
+    def graphed_attention_endpoint(
+        self, options: EndpointOptions | None = None, max_token_counts: int = 8
+    ) -> GraphedAttentionEndpoint:
+        """This attention rank's endpoint with its exchange replayed from CUDA graphs, up to
+        ``max_token_counts`` token counts held (whatever the transport's options say)."""
+        kernels = self.endpoint_kernels()
+        return GraphedAttentionEndpoint(self.transport, options, kernels, max_token_counts)

@@ -117,6 +117,9 @@ wait with every flag of a dispatch published by one kernel."""
 KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
 """The 'dev pack' endpoint over the kernel-publish transport (the publish kernel serves the
 packed dispatch)."""
+GRAPHED_MODES = frozenset({"graphs"})
+"""Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
+of the NVSHMEM connection); in the kernel-publish launch, beside 'kern pub'."""
 
 
 def _wait_any_latency(connection: WindowConnection, iterations: int) -> float:
@@ -274,7 +277,8 @@ def _layer_attention(
     modes: dict[str, WindowOptions],
 ) -> dict[str, float]:
     """Time dispatch + combine per mode: each mode's endpoint in turn for a block of rounds,
-    the blocks interleaved so that clock and thermal drift hit every mode alike."""
+    the blocks interleaved so that clock and thermal drift hit every mode alike. Two untimed
+    rounds per block first: buffers, compiles, and a graphed mode's capture."""
     device = connection.device
     gen = torch.Generator(device=device).manual_seed(0)
     results = {}
@@ -286,8 +290,9 @@ def _layer_attention(
         samples: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
         for _ in range(blocks):
             for mode, options in modes.items():
-                endpoint = connection.attention_endpoint(options)
-                endpoint.combine(endpoint.dispatch(0, x, ids, w))  # warm-up: buffers, compiles
+                endpoint = _endpoint(connection, mode, options)
+                for _ in range(2):  # eager once, then (a graphed mode) captured
+                    endpoint.combine(endpoint.dispatch(0, x, ids, w))
                 torch.cuda.synchronize(device)
                 for _ in range(ROUNDS_PER_BLOCK):
                     samples[mode].append(_timed_round(endpoint, x, ids, w))
@@ -314,6 +319,13 @@ def _layer_attention(
     endpoint.announce_shutdown()
     endpoint.close()
     return results
+
+
+def _endpoint(connection: WindowConnection, mode: str, options: WindowOptions) -> Any:
+    """The attention endpoint of ``mode``: graph-replayed for :data:`GRAPHED_MODES`."""
+    if mode in GRAPHED_MODES:
+        return connection.graphed_attention_endpoint(options)  # type: ignore[attr-defined]
+    return connection.attention_endpoint(options)
 
 
 def _quantile(values: Any, q: float) -> float:
@@ -552,7 +564,11 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     host_polls = _launch(layer, _with(specs, env), "host")
     times.update(host_polls["attention rank 0"].value)
     specs[0] = dataclasses.replace(
-        specs[0], kwargs={**specs[0].kwargs, "modes": {"kernel-publish": KERNEL_PUBLISH_MODE}}
+        specs[0],
+        kwargs={
+            **specs[0].kwargs,
+            "modes": {"kernel-publish": KERNEL_PUBLISH_MODE, "graphs": KERNEL_PUBLISH_MODE},
+        },
     )
     kernel_publish = _launch(layer, _with(specs, env), "kernel_publish")
     times.update(kernel_publish["attention rank 0"].value)
@@ -575,14 +591,17 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         f"rounds interleaved); 'host' = host polls, copied headers, portable combine (a launch "
         f"of its own: host polls are a transport option); 'kern pub' = 'dev pack' with every "
         f"flag set by one publish kernel (a launch of its own, the transport option "
-        f"publish='kernel'). 'floor' = the rows there and back at "
+        f"publish='kernel'); 'graphs' = 'kern pub' with dispatch and combine replayed from "
+        f"CUDA graphs (interleaved with 'kern pub' in that launch). 'floor' = the rows there "
+        f"and back at "
         f"the same-run peer copy_ bandwidth ({floor_gbs:.0f} GB/s). 'p10-p90' = the spread of "
         f"'device' over its rounds. 'link' = the same bytes at {NVLINK_GBS:.0f} GB/s (a peer "
         f"copy_ between two H200s): what NVLink would add where this run copies through HBM."
     )
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
-        f"{'host':>8} {'kern pub':>8} {'floor':>7} {'floor/device':>12} {'host/device':>11} "
+        f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'floor':>7} {'floor/device':>12} "
+        f"{'host/device':>11} "
         f"{'p10-p90':>11} "
         f"{'link':>6}"
     )
@@ -591,12 +610,13 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         floor = nbytes / (floor_gbs * 1e9)
         report["layer"][f"floor/{n}"] = floor
         report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
-        ms = {m: times[f"{m}/{n}"] * 1e3 for m in [*LAYER_MODES, "host", "kernel-publish"]}
+        modes = [*LAYER_MODES, "host", "kernel-publish", "graphs"]
+        ms = {m: times[f"{m}/{n}"] * 1e3 for m in modes}
         spread = f"{times[f'device/{n}/p10'] * 1e3:.2f}-{times[f'device/{n}/p90'] * 1e3:.2f}"
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {ms['kernel-publish']:8.2f} "
-            f"{floor * 1e3:7.2f} "
+            f"{ms['graphs']:7.2f} {floor * 1e3:7.2f} "
             f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11} "
             f"{nbytes / (NVLINK_GBS * 1e9) * 1e3:6.2f}"
         )
@@ -619,6 +639,24 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{times[k + '/reply_and_combine_gpu'] * 1e3:17.2f} "
             f"{ffn_host.get(str(n * TOPK), float('nan')):11.2f} "
             f"{ffn_gpu.get(str(n * TOPK), float('nan')):13.2f}"
+        )
+    print(
+        "\nattention host time per layer, eager ('kern pub') vs graph-replayed ('graphs'), "
+        "median us (target for graphs: dispatch() + combine() <= 30 us; combine() includes "
+        "the host's wait for the replies)"
+    )
+    print(
+        f"  {'tokens':>6} {'kern pub dispatch()':>19} {'combine()':>9} "
+        f"{'graphs dispatch()':>17} {'combine()':>9} {'graphs/kern pub, layer':>22}"
+    )
+    for n in tokens:
+        eager, graphed = f"kernel-publish/{n}", f"graphs/{n}"
+        print(
+            f"  {n:6d} {times[eager + '/dispatch_call'] * 1e6:19.1f} "
+            f"{times[eager + '/combine_call'] * 1e6:9.1f} "
+            f"{times[graphed + '/dispatch_call'] * 1e6:17.1f} "
+            f"{times[graphed + '/combine_call'] * 1e6:9.1f} "
+            f"{times[graphed] / times[eager]:22.2f}"
         )
     return report
 

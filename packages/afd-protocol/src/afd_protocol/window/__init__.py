@@ -16,7 +16,13 @@ from afd_protocol.window.ffn import WindowFFNEndpoint
 from afd_protocol.window.loopback import LoopbackTransport, LoopbackWorld
 from afd_protocol.window.options import WindowOptions
 from afd_protocol.window.pinned import HeaderUpload, PinnedReadback, PinnedUpload
-from afd_protocol.window.transport import Arrivals, SequenceCounter, WindowTransport
+from afd_protocol.window.transport import (
+    Arrivals,
+    PublishBlock,
+    SequenceCounter,
+    TensorPublishBlock,
+    WindowTransport,
+)
 from afd_protocol.window.views import SlotView, abort_words, flag_words, slot_view
 
 __all__ = [
@@ -27,8 +33,10 @@ __all__ = [
     "LoopbackWorld",
     "PinnedReadback",
     "PinnedUpload",
+    "PublishBlock",
     "SequenceCounter",
     "SlotView",
+    "TensorPublishBlock",
     "WindowAttentionEndpoint",
     "WindowConnection",
     "WindowDispatch",

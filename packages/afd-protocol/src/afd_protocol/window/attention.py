@@ -15,7 +15,8 @@ A backend with device kernels extends it in its own package (the NVSHMEM transpo
 ``afd_transport_nvshmem.kernel_attention.KernelAttentionEndpoint``). What a subclass may
 override or call is this class's extension surface, kept stable within afd: the hooks
 ``_setup`` (call the base first), ``_check_kernel_options``, ``_plan``, ``_send`` and
-``_combine_arrived``; and ``_dispatch_header``, ``_release``, ``_send_views``, ``_slot``,
+``_combine_arrived``; and ``_dispatch_header`` (``_write_shared_rows`` then ``_header``),
+``_next_ring``, ``_release``, ``_send_views``, ``_slot``,
 ``_topology``, ``_window``, ``_rank``, ``_transport``, ``_reduced_replies``, with
 :class:`WindowDispatch` and :class:`ExpectedReply` (exported by :mod:`afd_protocol.window`).
 """
@@ -202,6 +203,10 @@ class WindowAttentionEndpoint(WindowEndpoint):
         self._in_flight[ring] = handle
         return handle
 
+    def _next_ring(self) -> int | None:
+        """The ring slot the next dispatch takes (None: every slot is in flight)."""
+        return self._free_rings[0] if self._free_rings else None
+
     def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
         """The dispatch plan (capacities checked here, before any ring is taken)."""
         return plan_dispatch(topk_ids, self._topology, self._slot.shared_placement, self._slot)
@@ -245,11 +250,24 @@ class WindowAttentionEndpoint(WindowEndpoint):
         counts: tuple[int, ...],
     ) -> Header:
         """Write ``dest``'s shared-expert rows; return the header that announces the part."""
-        plan = handle.plan
+        self._write_shared_rows(handle.plan, handle.ring, hidden_states, dest)
+        return self._header(handle, dest, routed_rows, counts)
+
+    def _write_shared_rows(
+        self, plan: WireOrder, ring: int, hidden_states: torch.Tensor, dest: int
+    ) -> None:
+        """Copy the rows of ``dest``'s shared-expert tokens into its slot (none: nothing)."""
         shared = plan.shared_rows(dest)
         if shared:
-            out = self._send_views[dest][handle.ring].shared_rows[:shared]
+            out = self._send_views[dest][ring].shared_rows[:shared]
             torch.index_select(hidden_states, 0, plan.shared_tokens[dest], out=out)
+
+    def _header(
+        self, handle: WindowDispatch, dest: int, routed_rows: int, counts: tuple[int, ...]
+    ) -> Header:
+        """The header that announces ``dest``'s part of ``handle`` (takes a sequence number)."""
+        plan = handle.plan
+        shared = plan.shared_rows(dest)
         return Header(
             MessageKind.DISPATCH,
             src_rank=self._rank,

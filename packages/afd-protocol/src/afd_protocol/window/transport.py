@@ -44,6 +44,7 @@ CAM operators, which own the whole exchange -- implements the endpoint protocols
 from __future__ import annotations
 
 import abc
+import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -54,6 +55,7 @@ from afd_protocol.core.errors import InvalidArgument
 from afd_protocol.core.header import next_seq
 from afd_protocol.core.layout import SlotLayout, WindowLayout
 from afd_protocol.core.topology import Role, Topology
+from afd_protocol.window.views import flag_words
 
 
 class SequenceCounter:
@@ -80,6 +82,71 @@ class Arrivals:
     """Flag index -> that slot's header words (host int32), captured together with the flag
     value returned (empty when the backend does not capture). Read them before the next
     ``wait_any``: a backend may reuse its capture buffer."""
+
+
+class PublishBlock(abc.ABC):
+    """Several peers' flag words set from values held in memory, by one enqueued operation.
+
+    :meth:`write` puts the next values into the block (host memory: a few microseconds);
+    :meth:`launch` enqueues, on the current stream, the operation that reads them *when it
+    runs* and stores each into its flag, after everything earlier on the stream. Since the
+    operation's arguments never change, a CUDA graph can capture :meth:`launch` once and
+    every replay publishes what was last written. Write again only once the previous
+    launch has run: the window protocol does (a slot is published again only after its
+    answer arrived, which the launch preceded)."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """How many flags one launch sets (one value each)."""
+
+    @abc.abstractmethod
+    def write(self, values: Sequence[int]) -> None:
+        """The values the next launch (or replay) stores, one per flag."""
+
+    @abc.abstractmethod
+    def launch(self) -> None:
+        """Enqueue the stores on the current stream (capturable in a CUDA graph)."""
+
+    def prepare(self) -> None:  # noqa: B027 - optional, not abstract
+        """Load whatever :meth:`launch` needs (a kernel), publishing nothing, and return when
+        that is done: call it before capturing :meth:`launch` (a capture cannot load code).
+        Nothing to do by default."""
+
+    def _check(self, values: Sequence[int]) -> None:
+        if len(values) != self.size:
+            raise InvalidArgument(
+                f"this publish block sets {self.size} flags, one value each; got {len(values)}"
+            )
+
+
+class TensorPublishBlock(PublishBlock):
+    """A :class:`PublishBlock` of tensor copies: the values go to the device through a
+    host buffer (page-locked on an accelerator), then into each flag with ``copy_``.
+    Ordered by the stream only -- for windows that the publishing stream's device writes
+    and reads itself (see :meth:`WindowTransport.publish_block`)."""
+
+    def __init__(self, targets: Sequence[torch.Tensor], device: torch.device) -> None:
+        if not targets:
+            raise InvalidArgument("a publish block needs at least one flag")
+        self._targets = list(targets)
+        pinned = device.type != "cpu"
+        self._host = torch.zeros(len(targets), dtype=torch.int32, pin_memory=pinned)
+        self._words = (ctypes.c_int32 * len(targets)).from_address(self._host.data_ptr())
+        self._device_values = torch.zeros(len(targets), dtype=torch.int32, device=device)
+
+    @property
+    def size(self) -> int:
+        return len(self._targets)
+
+    def write(self, values: Sequence[int]) -> None:
+        self._check(values)
+        self._words[:] = list(values)
+
+    def launch(self) -> None:
+        self._device_values.copy_(self._host, non_blocking=True)
+        for i, flag in enumerate(self._targets):
+            flag.copy_(self._device_values[i])
 
 
 class WindowTransport(abc.ABC):
@@ -140,6 +207,18 @@ class WindowTransport(abc.ABC):
             )
         for peer, value in zip(peers, values, strict=True):
             self.publish(peer, flag_index, value)
+
+    def publish_block(self, peers: Sequence[int], flag_index: int) -> PublishBlock:
+        """A :class:`PublishBlock` that sets flag ``flag_index`` of every one of ``peers``
+        from values in memory (what a CUDA graph can hold; the graph-replayed exchange uses
+        it). This default copies the values with tensor ops on the current stream, which
+        is enough where one stream writes every window it publishes to (the loopback
+        transport); a backend whose peers are other processes overrides it with a release
+        store per flag (NVSHMEM: :mod:`afd_transport_nvshmem.flag_publish`)."""
+        for peer in peers:
+            self.check_peer(peer)
+        targets = [flag_words(self.peer_window(p), self.window)[flag_index] for p in peers]
+        return TensorPublishBlock(targets, self.device)
 
     @abc.abstractmethod
     def wait_any(

@@ -1,0 +1,349 @@
+"""The kernel attention endpoint with its per-layer exchange replayed from CUDA graphs.
+
+Eagerly, one packed dispatch costs the host dozens of launches (the plan's torch ops, the
+pack, the publish) and one combine a Triton launch: about a millisecond per MoE layer on
+an H200, against microseconds of data movement. Within one prefill step every MoE layer
+sees the same token count, so :class:`GraphedAttentionEndpoint` captures the device half of
+a packed dispatch -- plan on the device, shared rows, pack, the expert-bound readback,
+the flag publish -- and of its fused combine as CUDA graphs, one pair per (token count,
+ring slot), and replays them. What changes from layer to layer reaches the graphs through
+memory whose address the graphs hold:
+
+* the layer's hidden states, top-k ids and weights are copied into the graph's own input
+  tensors (three device copies);
+* the header words of every FFN rank (sequence number, layer, stage, token count) are
+  written into a page-locked block that the graph copies to the device;
+* the flag values go into the :class:`~afd_protocol.window.PublishBlock` of the ring,
+  whose launch (captured) reads them when it runs.
+
+So the host per layer writes a few dozen words and launches two replays. The first use of
+a (token count, ring) runs eagerly (it compiles and loads every kernel, which a capture
+cannot), the second captures both graphs (the first was combined before the ring was
+free again); at most ``max_token_counts`` counts are held (least
+recently used dropped). The combine replays its graph and returns a copy of the graph's
+output (the next replay of the same graph overwrites it). Waits are unchanged: the
+transport's bounded device wait (already a graph replay with a poll budget and the abort
+check), between which the host checks the peers, so a killed peer is a named error
+within the timeout as before.
+
+Outputs equal the eager kernel endpoint's exactly: the same kernels run on the same
+values. A dispatch the device pack cannot take (too many rows for a slot) runs eagerly.
+:data:`GraphCapture` is how a graph is made: :class:`CudaGraphCapture` on a GPU; tests on
+the CPU pass :func:`replayed_calls`, which re-runs the captured calls with the arguments
+of capture time -- what a graph does -- so a value the host forgot to route through
+memory shows up as a stale header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from afd_protocol import (
+    HEADER_FIXED_WORDS,
+    AFDError,
+    DevicePlan,
+    EndpointOptions,
+    WireOrder,
+    check_expert_bounds,
+    plan_on_device,
+)
+from afd_protocol.window import PublishBlock, WindowDispatch, WindowTransport
+from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint, fixed_words
+from afd_transport_nvshmem.kernel_specs import WindowKernels
+
+_T = TypeVar("_T")
+
+Replay = Callable[[], None]
+GraphCapture = Callable[[Callable[[], Any]], tuple[Replay, Any]]
+"""``capture(body) -> (replay, outputs)``: record ``body``'s device work once; every
+``replay()`` redoes it with the same arguments and leaves its results in ``outputs`` (the
+tensors ``body`` returned at capture)."""
+
+
+class CudaGraphCapture:
+    """:data:`GraphCapture` with ``torch.cuda.CUDAGraph`` on a side stream of ``device``
+    (``thread_local`` capture, each graph its own memory pool; replays on the current
+    stream). No device synchronisation and no garbage collection per capture."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self.captures = 0
+        self.seconds = 0.0
+        """Host time spent capturing so far."""
+
+    def __call__(self, body: Callable[[], _T]) -> tuple[Replay, _T]:
+        started = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = body()
+            except BaseException:
+                # The capture is invalid already; the body's error says why.
+                with contextlib.suppress(RuntimeError):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        self.captures += 1
+        self.seconds += time.perf_counter() - started
+        return graph.replay, outputs
+
+
+def replayed_calls(body: Callable[[], _T]) -> tuple[Replay, _T]:
+    """:data:`GraphCapture` without a GPU, for tests: runs ``body`` now, and on each replay
+    runs it again -- with the Python values of capture time, as a graph would -- and copies
+    the tensors it returns into those returned now."""
+    outputs = body()
+
+    def replay() -> None:
+        for kept, fresh in zip(_tensors(outputs), _tensors(body()), strict=True):
+            kept.copy_(fresh)
+
+    return replay, outputs
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``: a tensor, a tuple or list, or a dataclass's fields."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for spec in dataclasses.fields(value):
+            yield from _tensors(getattr(value, spec.name))
+
+
+@dataclass
+class _LayerGraphs:
+    """The graphs of one (token count, ring) and the memory they read and write."""
+
+    hidden: torch.Tensor
+    """``[T, H]`` activation dtype, device: the dispatch graph's input rows."""
+    topk_ids: torch.Tensor
+    """``[T, k]`` the caller's integer dtype, device."""
+    topk_weights: torch.Tensor
+    """``[T, k]`` the caller's floating dtype, device."""
+    fixed_host: torch.Tensor
+    """int32 ``[F * HEADER_FIXED_WORDS]``, page-locked: the next dispatch's header words."""
+    fixed_words: Any
+    """A ``ctypes`` int32 array over :attr:`fixed_host`."""
+    bounds_host: torch.Tensor
+    """int64 ``[2]``, page-locked: the smallest and largest expert id, read back."""
+    publish: PublishBlock
+    dispatch: Replay | None = None
+    plan: DevicePlan | None = None
+    """The captured plan: its tensors hold the last replay's values."""
+    wire_position: torch.Tensor | None = None
+    """What the fused combine reads for each partial (or (token, FFN rank))."""
+    combine: Replay | None = None
+    combine_out: torch.Tensor | None = None
+    """``[T, H]`` activation dtype: the combine graph's output."""
+    bounds_ready: torch.Event | None = None
+
+
+class GraphedAttentionEndpoint(KernelAttentionEndpoint):
+    """:class:`~.kernel_attention.KernelAttentionEndpoint` whose packed dispatch and fused
+    combine replay CUDA graphs (module docstring). ``max_token_counts`` (>= 1) bounds the
+    token counts held as graphs; ``capture`` makes them (default: :class:`CudaGraphCapture`
+    on the transport's device)."""
+
+    def __init__(
+        self,
+        transport: WindowTransport,
+        options: EndpointOptions | None,
+        kernels: WindowKernels,
+        max_token_counts: int = 8,
+        capture: GraphCapture | None = None,
+    ) -> None:
+        if max_token_counts < 1:
+            raise ValueError(
+                f"max_token_counts must be >= 1 (the token counts held as graphs), got "
+                f"{max_token_counts}; use the kernel endpoint for an eager exchange"
+            )
+        self._max_counts = max_token_counts
+        self._capture: GraphCapture = capture or CudaGraphCapture(transport.device)
+        self._graphs: OrderedDict[int, dict[int, _LayerGraphs]] = OrderedDict()
+        self._eager_keys: set[tuple[int, int]] = set()
+        """(token count, ring) dispatched eagerly once (so their kernels are loaded)."""
+        self._replayed: dict[int, _LayerGraphs] = {}
+        """Per ring in flight, the graphs its dispatch replayed (kept if dropped meanwhile)."""
+        self.replays = 0
+        """Dispatches that replayed a graph (a capture counts as one)."""
+        self.captures = 0
+        """Graphs captured (dispatch and combine count one each)."""
+        super().__init__(transport, options, kernels)
+        if self._pack is None:
+            self.close()  # the window is free for another endpoint
+            raise ValueError(
+                "graph replay needs the device pack (which the fused combine reads); leave "
+                "device_pack and combine at their defaults (or use the kernel endpoint)"
+            )
+
+    @property
+    def token_counts(self) -> tuple[int, ...]:
+        """The token counts held as graphs now, least recently used first."""
+        return tuple(self._graphs)
+
+    # ---- dispatch -----------------------------------------------------------------------
+
+    def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
+        entry = self._entry_for(topk_ids)
+        if entry is not None and entry.plan is not None:
+            return entry.plan  # the graph's plan; the replay fills it
+        return super()._plan(topk_ids)
+
+    def _entry_for(self, topk_ids: torch.Tensor) -> _LayerGraphs | None:
+        ring = self._next_ring()
+        if ring is None or not self._packs_on_device(topk_ids):
+            return None
+        return self._graphs.get(topk_ids.shape[0], {}).get(ring)
+
+    def _send(self, handle: WindowDispatch, hidden_states: torch.Tensor) -> None:
+        num_tokens = hidden_states.shape[0]
+        key = (num_tokens, handle.ring)
+        if not isinstance(handle.plan, DevicePlan):
+            super()._send(handle, hidden_states)  # too many rows for the device pack
+            return
+        if key not in self._eager_keys:
+            self._eager_keys.add(key)  # first use: eager, which loads every kernel
+            super()._send(handle, hidden_states)
+            return
+        entry = self._layer_graphs(num_tokens, handle.ring, hidden_states, handle)
+        entry.hidden.copy_(hidden_states)
+        entry.topk_ids.copy_(handle.topk_ids)
+        entry.topk_weights.copy_(handle.topk_weights)
+        headers = self._packed_headers(handle)
+        entry.fixed_words[:] = fixed_words(headers)
+        entry.publish.write([h.seq for h in headers])
+        if entry.dispatch is None:
+            # The ring's first dispatch at this count was combined before this one could
+            # take the ring, so the combine's kernel is loaded too: capture both now.
+            self._capture_dispatch(entry, handle.ring)
+            self._capture_combine(entry, handle.ring, handle.dtype)
+        assert entry.dispatch is not None
+        assert entry.plan is not None
+        entry.dispatch()
+        self.replays += 1
+        if entry.bounds_ready is not None:
+            entry.bounds_ready.record(torch.accelerator.current_stream(self.device))
+        handle.plan = entry.plan
+        self._replayed[handle.ring] = entry
+        handle.device_segments = (
+            entry.plan.token_row_offsets if self._reduced_replies else entry.plan.segment_offsets
+        )
+        self._expect(handle, headers)
+
+    def _layer_graphs(
+        self, num_tokens: int, ring: int, hidden: torch.Tensor, handle: WindowDispatch
+    ) -> _LayerGraphs:
+        """The graphs of (``num_tokens``, ``ring``), made (not captured) on first use."""
+        rings = self._graphs.get(num_tokens)
+        if rings is None:
+            while len(self._graphs) >= self._max_counts:
+                self._graphs.popitem(last=False)
+            rings = self._graphs[num_tokens] = {}
+        self._graphs.move_to_end(num_tokens)
+        entry = rings.get(ring)
+        if entry is None:
+            on_gpu = self.device.type != "cpu"
+            words = self._topology.num_ffn_ranks * HEADER_FIXED_WORDS
+            fixed = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
+            entry = _LayerGraphs(
+                hidden=torch.empty_like(hidden),
+                topk_ids=torch.empty_like(handle.topk_ids),
+                topk_weights=torch.empty_like(handle.topk_weights),
+                fixed_host=fixed,
+                fixed_words=(ctypes.c_int32 * words).from_address(fixed.data_ptr()),
+                bounds_host=torch.zeros(2, dtype=torch.int64, pin_memory=on_gpu),
+                publish=self._transport.publish_block(
+                    list(range(self._topology.num_ffn_ranks)),
+                    self._window.flag_index(self._rank, ring),
+                ),
+                bounds_ready=torch.Event(device=self.device) if on_gpu else None,
+            )
+            entry.publish.prepare()
+            rings[ring] = entry
+        return entry
+
+    def _capture_dispatch(self, entry: _LayerGraphs, ring: int) -> None:
+        slot = self._slot
+        fixed_device = self._fixed_words[ring].view(-1)
+
+        def body() -> tuple[DevicePlan, torch.Tensor]:
+            fixed_device.copy_(entry.fixed_host, non_blocking=True)
+            plan = plan_on_device(
+                entry.topk_ids,
+                self._topology,
+                slot.shared_placement,
+                slot.wire_format,
+                per_partial_order=not self._reduced_replies,
+            )
+            self._pack_rows(ring, plan, entry.hidden, entry.topk_ids, entry.topk_weights)
+            entry.bounds_host.copy_(plan.expert_bounds, non_blocking=True)
+            entry.publish.launch()
+            # What the combine reads, computed while the FFN ranks work.
+            wire = plan.token_row_positions if self._reduced_replies else plan.wire_position
+            return plan, wire
+
+        try:
+            (entry.dispatch, (entry.plan, entry.wire_position)) = self._capture(body)
+        except Exception as exc:
+            raise AFDError(
+                f"capturing the dispatch of {entry.hidden.shape[0]} tokens (ring {ring}) as a "
+                f"CUDA graph failed: {exc}; use the eager kernel endpoint (no graphs)"
+            ) from exc
+        self.captures += 1
+
+    # ---- combine ------------------------------------------------------------------------
+
+    def _combine_arrived(self, handle: WindowDispatch) -> torch.Tensor:
+        entry = self._replayed.get(handle.ring)
+        if entry is None or handle.plan is not entry.plan:
+            return super()._combine_arrived(handle)  # an eager dispatch
+        del self._replayed[handle.ring]
+        if entry.bounds_ready is not None and not entry.bounds_ready.query():
+            entry.bounds_ready.synchronize()
+        low, high = (int(v) for v in entry.bounds_host.tolist())
+        if low < 0 or high >= self._topology.num_experts:
+            self._release(handle.ring)
+            check_expert_bounds(low, high, self._topology.num_experts)
+        assert entry.combine is not None
+        assert entry.combine_out is not None
+        entry.combine()
+        return entry.combine_out.clone()
+
+    def _capture_combine(self, entry: _LayerGraphs, ring: int, dtype: torch.dtype) -> None:
+        assert entry.plan is not None
+        assert entry.wire_position is not None
+        plan = entry.plan
+        if self._reduced_replies:
+            assert plan.token_row_offsets is not None
+            segments, weights = plan.token_row_offsets, self._unit_weights[: plan.num_tokens]
+        else:
+            segments, weights = plan.segment_offsets, entry.topk_weights
+        inputs = self._combine_inputs(ring, segments, entry.wire_position, weights, dtype)
+
+        def body() -> torch.Tensor:
+            return self._kernels.fused_combine(inputs)
+
+        try:
+            entry.combine, entry.combine_out = self._capture(body)
+        except Exception as exc:
+            entry.dispatch = None  # captured again, both, at the next use
+            raise AFDError(
+                f"capturing the combine of {entry.hidden.shape[0]} tokens (ring {ring}) as a "
+                f"CUDA graph failed: {exc}; use the eager kernel endpoint (no graphs)"
+            ) from exc
+        self.captures += 1

@@ -1,0 +1,228 @@
+"""The graph-replayed attention endpoint over afd_protocol's loopback transport, on the CPU:
+torch references for the kernels, and :func:`replayed_calls` for CUDA graphs (every replay
+re-runs the captured calls with the arguments of capture time, so a per-layer value that
+does not travel through memory goes stale and the FFN side sees no new flag, or a wrong
+header). Outputs equal the eager kernel endpoint's bitwise, layer after layer, on every
+ring, wire format and token count; the eager-first, then capture, then replay order; the
+least-recently-used bound; the fallbacks. (CUDA graphs themselves: the GPU test.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_kernel_endpoint_loopback import (
+    FORMATS,
+    drain,
+    layout_of,
+    linear_experts,
+    make_world,
+    route,
+)
+
+from afd_protocol import AFDError, InvalidArgument, Role
+from afd_protocol.window import LoopbackWorld, WindowFFNEndpoint, WindowOptions
+from afd_transport_nvshmem.graphed_attention import (
+    GraphedAttentionEndpoint,
+    Replay,
+    replayed_calls,
+)
+from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
+from afd_transport_nvshmem.kernel_specs import REFERENCE_KERNELS, WindowKernels
+
+FAST = WindowOptions(timeout=0.05)
+
+
+class CountingCapture:
+    """:func:`replayed_calls`, counting captures and replays."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, body: Callable[[], Any]) -> tuple[Replay, Any]:
+        self.captures += 1
+        replay, outputs = replayed_calls(body)
+
+        def counted() -> None:
+            self.replays += 1
+            replay()
+
+        return counted, outputs
+
+
+def run_layers(
+    world: LoopbackWorld,
+    attention: KernelAttentionEndpoint,
+    ffns: list[WindowFFNEndpoint],
+    jobs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+    stages: int,
+) -> list[torch.Tensor]:
+    """Dispatch ``jobs`` ``stages`` at a time, serve them, combine; the outputs in order."""
+    experts = linear_experts(world, layers=8)
+    outputs = []
+    for first in range(0, len(jobs), stages):
+        batch = jobs[first : first + stages]
+        handles = [
+            attention.dispatch(layer, x, ids, w, stage=stage)
+            for stage, (layer, x, ids, w) in enumerate(batch)
+        ]
+        drain(ffns, experts)
+        outputs += [attention.combine(h) for h in handles]
+    return outputs
+
+
+def jobs_of(counts: list[int], experts: int = 7, seed: int = 0) -> list[Any]:
+    return [(i % 8, *route(n, 3, list(range(experts)), seed + i)) for i, n in enumerate(counts)]
+
+
+@pytest.mark.parametrize(("wire", "reduce"), FORMATS)
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_replayed_layers_equal_the_eager_kernel_endpoint_bitwise(
+    wire: str, reduce: str, shared: str
+) -> None:
+    """Twelve layers at one token count on two rings (two stages in flight), then other
+    counts: each output equals the eager kernel endpoint's exactly and the reference; the
+    first use of each (count, ring) is eager, the second captures, the rest replay."""
+    layout = layout_of(wire, reduce, a=1, f=3, tokens=32, shared=shared)
+    counts = [9] * 12 + [4, 4, 4, 4, 9, 9]
+    jobs = jobs_of(counts)
+    results = []
+    for graphed in (False, True):
+        world = LoopbackWorld(layout.window(ring_depth=2))
+        transport = world.transport(Role.ATTENTION, 0)
+        ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+        capture = CountingCapture()
+        attention: KernelAttentionEndpoint
+        if graphed:
+            attention = GraphedAttentionEndpoint(
+                transport, FAST, REFERENCE_KERNELS, max_token_counts=4, capture=capture
+            )
+        else:
+            attention = KernelAttentionEndpoint(transport, FAST, REFERENCE_KERNELS)
+        results.append(run_layers(world, attention, ffns, jobs, stages=2))
+        if graphed:
+            assert isinstance(attention, GraphedAttentionEndpoint)
+            # (9, ring 0/1) and (4, ring 0/1): eager once each, then a dispatch graph and
+            # a combine graph each; 18 dispatches - 4 eager = 14 replayed.
+            assert attention.captures == capture.captures == 8
+            assert attention.replays == 14
+            assert attention.token_counts == (4, 9)
+        attention.close()
+    experts = linear_experts(make_world(), layers=8)
+    for (layer, x, ids, w), eager, replayed in zip(jobs, *results, strict=True):
+        assert torch.equal(eager, replayed)
+        expected = experts.reference(layer, x, ids, w, shared == "ffn")
+        torch.testing.assert_close(replayed.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_least_recently_used_token_count_is_dropped_and_captured_again() -> None:
+    layout = layout_of("per_choice", "attention", a=1, f=2, tokens=32)
+    world = LoopbackWorld(layout.window(ring_depth=1))
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
+    capture = CountingCapture()
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS, 2, capture
+    )
+    counts = [3, 3, 5, 5, 3, 7, 7, 5, 5, 3]
+    jobs = jobs_of(counts, seed=40)
+    outputs = run_layers(world, attention, ffns, jobs, stages=1)
+    experts = linear_experts(world, layers=8)
+    for (layer, x, ids, w), out in zip(jobs, outputs, strict=True):
+        torch.testing.assert_close(
+            out.double(), experts.reference(layer, x, ids, w, False), rtol=1e-5, atol=1e-4
+        )
+    assert attention.token_counts == (5, 3)
+    # Replayed: every use but the first of each count (3, 5, 7 eager once): 7. The second 7
+    # drops 5 (3 was used since); the next 5 is captured again (its kernels are loaded, so
+    # not eager) and drops 3; the last 3 is captured again and drops 7.
+    assert attention.replays == 7
+    # A dispatch graph and a combine graph per capture of a count: 3, 5, 7, 5, 3.
+    assert capture.captures == attention.captures == 2 * 5
+    attention.close()
+
+
+def test_batches_the_device_pack_cannot_take_run_eagerly() -> None:
+    """32 tokens x 3 choices overflow a slot's routed rows: the host plan, every time."""
+    world = make_world(a=1, f=3, experts=7, ring_depth=1, tokens=32)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    capture = CountingCapture()
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS, capture=capture
+    )
+    jobs = jobs_of([32, 32, 32], seed=50)
+    outputs = run_layers(world, attention, ffns, jobs, stages=1)
+    experts = linear_experts(world, layers=8)
+    for (layer, x, ids, w), out in zip(jobs, outputs, strict=True):
+        torch.testing.assert_close(
+            out.double(), experts.reference(layer, x, ids, w, False), rtol=1e-5, atol=1e-4
+        )
+    assert (attention.replays, capture.captures) == (0, 0)
+    attention.close()
+
+
+def test_out_of_range_expert_ids_fail_a_replayed_combine_and_free_the_ring() -> None:
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS, capture=replayed_calls
+    )
+    run_layers(world, attention, ffns, jobs_of([6, 6], seed=60), stages=1)
+    x, ids, w = route(6, 3, list(range(7)), 61)
+    handle = attention.dispatch(0, x, ids.masked_fill(ids == ids[0, 0], 9), w)
+    assert attention.replays == 2  # this one replayed the graph too
+    drain(ffns, linear_experts(world))
+    with pytest.raises(InvalidArgument, match=r"expert id 9, outside \[0, 7\)"):
+        attention.combine(handle)
+    assert attention.in_flight == 0
+
+
+def test_a_capture_that_fails_is_a_named_error_and_the_ring_comes_back() -> None:
+    def failing(body: Callable[[], Any]) -> tuple[Replay, Any]:
+        raise RuntimeError("operation not permitted when stream is capturing (simulated)")
+
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS, capture=failing
+    )
+    run_layers(world, attention, ffns, jobs_of([6], seed=70), stages=1)  # eager
+    x, ids, w = route(6, 3, list(range(7)), 71)
+    with pytest.raises(AFDError, match=r"capturing the dispatch of 6 tokens \(ring 0\) as a CUDA"):
+        attention.dispatch(0, x, ids, w)
+    assert attention.in_flight == 0
+
+
+def test_graph_replay_refuses_what_it_cannot_replay() -> None:
+    world = make_world(a=1, f=3, experts=7)
+    transport = world.transport(Role.ATTENTION, 0)
+    with pytest.raises(ValueError, match="max_token_counts must be >= 1"):
+        GraphedAttentionEndpoint(transport, FAST, REFERENCE_KERNELS, 0, replayed_calls)
+    no_pack = WindowKernels(REFERENCE_KERNELS.fused_combine)
+    with pytest.raises(ValueError, match="graph replay needs the device pack"):
+        GraphedAttentionEndpoint(transport, FAST, no_pack, capture=replayed_calls)
+    with pytest.raises(ValueError, match="graph replay needs the device pack"):
+        GraphedAttentionEndpoint(
+            transport, WindowOptions(combine="portable"), REFERENCE_KERNELS, capture=replayed_calls
+        )
+
+
+def test_a_publish_block_sets_each_flag_from_the_values_written_last() -> None:
+    world = make_world(a=1, f=3, experts=7, ring_depth=2)
+    transport = world.transport(Role.ATTENTION, 0)
+    block = transport.publish_block([0, 2], world.window.flag_index(0, 1))
+    block.write([5, 6])
+    block.launch()
+    block.write([7, 8])  # nothing published until the next launch
+    flags = [world.transport(Role.FFN, r) for r in range(3)]
+    index = world.window.flag_index(0, 1)
+    values = [int(t._flags[index]) for t in flags]  # type: ignore[attr-defined]
+    assert values == [5, 0, 6]
+    block.launch()
+    assert [int(t._flags[index]) for t in flags] == [7, 0, 8]  # type: ignore[attr-defined]
+    with pytest.raises(InvalidArgument, match="sets 2 flags, one value each; got 3"):
+        block.write([1, 2, 3])
+    with pytest.raises(InvalidArgument, match="peer 3 is outside"):
+        transport.publish_block([3], 0)
