@@ -156,6 +156,14 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
             "--cam-dynamic-quant applies to --transport cam-emulator only",
         ),
         (
+            ["--exchange-graphs", "4"],
+            "--exchange-graphs applies to --transport nvshmem only; drop it for --transport shm",
+        ),
+        (
+            ["--exchange-graphs", "-1"],
+            "--exchange-graphs is how many token counts to hold as CUDA graphs (0: none), got -1",
+        ),
+        (
             ["--transport", "cam-emulator", "--shared", "ffn"],
             "--transport cam-emulator needs --shared attention",
         ),

@@ -163,12 +163,17 @@ def test_chosen_mps_shares_reach_the_ranks_on_one_gpu(tmp_path: Path) -> None:
     _nothing_of_mps_left(before)
 
 
-def test_float32_on_the_gpu_matches_the_reference_to_float32_precision(tmp_path: Path) -> None:
+@pytest.mark.parametrize("graphs", [[], ["--exchange-graphs", "4"]])
+def test_float32_on_the_gpu_matches_the_reference_to_float32_precision(
+    tmp_path: Path, graphs: list[str]
+) -> None:
     """In float32 no rounding hides a wrong row: every mode within 1e-5 of the reference
-    (over NVSHMEM; on one GPU under CUDA MPS)."""
-    data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *SHARE)
+    (over NVSHMEM; on one GPU under CUDA MPS), also with the exchange replayed from CUDA
+    graphs."""
+    data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *SHARE, *graphs)
     assert "(tolerance 1e-05; worst " in out
     assert data["verification_failures"] == {}
+    assert data["deployment"]["exchange_graphs"] == (4 if graphs else 0)  # type: ignore[index]
 
 
 def _gpu_processes() -> set[int]:

@@ -115,6 +115,7 @@ def test_the_command_line_builds_the_job_field_by_field() -> None:
         RunJob(device="cpu", modes=("async",), rate=3.0, share_gpus=True, layers=2),
         RunJob(workload_file=Path("/tmp/a b.jsonl"), dtype="bfloat16", colocated="mono"),
         RunJob(backend="triton", ffn_graph_buckets=(64, 4096)),
+        RunJob(device="cuda", transport="nvshmem", exchange_graphs=4),
     ],
 )
 def test_the_command_line_of_a_job_builds_that_job(job: RunJob) -> None:

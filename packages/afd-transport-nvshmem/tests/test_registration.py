@@ -54,3 +54,22 @@ def test_the_factory_is_the_launchers_nvshmem_transport() -> None:
 
     slot = SlotLayout(Topology(1, 1, 4), 64, 16, 2, dtype="bfloat16")
     assert NVSHMEM_TRANSPORT.factory(slot) is nvshmem_transport
+
+
+def test_exchange_graphs_reach_the_transport_options_and_other_transports_refuse_them() -> None:
+    import pytest
+
+    from afd_protocol import InvalidArgument, TransportOptions
+    from afd_transport_nvshmem.launch_support import nvshmem_transport
+    from afd_transport_nvshmem.transport import NvshmemOptions
+
+    slot = SlotLayout(Topology(1, 1, 4), 64, 16, 2, dtype="bfloat16")
+    factory = NVSHMEM_TRANSPORT.factory(slot, TransportOptions(exchange_graphs=4))
+    assert factory.func is nvshmem_transport  # type: ignore[attr-defined]
+    assert factory.keywords == {"options": NvshmemOptions(exchange_graphs=4)}  # type: ignore[attr-defined]
+    with pytest.raises(InvalidArgument, match="transport shm has no graph-replayed exchange"):
+        get_transport("shm").factory(slot, TransportOptions(exchange_graphs=4))
+    with pytest.raises(InvalidArgument, match="exchange_graphs is a number of token counts"):
+        TransportOptions(exchange_graphs=-1)
+    with pytest.raises(InvalidArgument, match="exchange_graphs is how many token counts"):
+        NvshmemOptions(exchange_graphs=-1)

@@ -90,10 +90,18 @@ class TransportOptions:
     dynamic_quant: bool = False
     """Dispatch rows as int8 with a per-token scale (transports whose spec says
     ``dynamic_quant=True``)."""
+    exchange_graphs: int = 0
+    """Attention ranks replay each MoE layer's dispatch and combine from CUDA graphs, holding
+    up to this many token counts (transports whose spec says ``exchange_graphs=True``); 0:
+    eager."""
 
     def __post_init__(self) -> None:
         if self.wait_timeout is not None and not self.wait_timeout > 0:
             raise InvalidArgument(f"wait_timeout must be > 0 seconds, got {self.wait_timeout}")
+        if self.exchange_graphs < 0:
+            raise InvalidArgument(
+                f"exchange_graphs is a number of token counts (0: none), got {self.exchange_graphs}"
+            )
 
 
 TransportBuilder = Callable[[SlotLayout, TransportOptions], TransportFactory]
@@ -123,6 +131,8 @@ class TransportSpec:
     routed experts only needs them on the attention side."""
     dynamic_quant: bool = False
     """Whether it accepts :attr:`TransportOptions.dynamic_quant`."""
+    exchange_graphs: bool = False
+    """Whether it accepts :attr:`TransportOptions.exchange_graphs`."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.devices or not self.shared_placements:
@@ -172,6 +182,8 @@ class TransportSpec:
         options = TransportOptions() if options is None else options
         if options.dynamic_quant and not self.dynamic_quant:
             raise InvalidArgument(f"transport {self.name} has no dynamic quantisation")
+        if options.exchange_graphs and not self.exchange_graphs:
+            raise InvalidArgument(f"transport {self.name} has no graph-replayed exchange")
         return self.build(slot, options)
 
 

@@ -7,6 +7,8 @@ when a factory is built, so listing the transports on a CPU machine stays cheap 
 
 from __future__ import annotations
 
+import functools
+
 from afd_protocol import (
     DeviceSharing,
     SlotLayout,
@@ -18,10 +20,15 @@ from afd_protocol import (
 
 def _nvshmem_factory(slot: SlotLayout, options: TransportOptions) -> TransportFactory:
     """:func:`afd_transport_nvshmem.launch_support.nvshmem_transport`: its waits are the
-    endpoints' (nothing in ``options`` applies)."""
+    endpoints'; ``options.exchange_graphs`` becomes the transport option of that name."""
     from afd_transport_nvshmem.launch_support import nvshmem_transport
 
-    return nvshmem_transport
+    if not options.exchange_graphs:
+        return nvshmem_transport
+    from afd_transport_nvshmem.transport import NvshmemOptions
+
+    graphs = NvshmemOptions(exchange_graphs=options.exchange_graphs)
+    return functools.partial(nvshmem_transport, options=graphs)
 
 
 NVSHMEM_TRANSPORT = TransportSpec(
@@ -32,6 +39,7 @@ NVSHMEM_TRANSPORT = TransportSpec(
     device_sharing=DeviceSharing.MPS,
     requirement="afd-transport-nvshmem",
     build=_nvshmem_factory,
+    exchange_graphs=True,
 )
 """``nvshmem``: one rank per GPU (or several under MPS), bootstrapped through the launcher's
 rendezvous directory."""

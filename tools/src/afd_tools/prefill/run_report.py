@@ -66,6 +66,8 @@ class Deployment:
     """Poisson arrivals per second (``None``: all at once)."""
     seed: int
     cam_dynamic_quant: bool = False
+    exchange_graphs: int = 0
+    """Token counts the attention ranks held as CUDA graphs of the exchange (0: eager)."""
 
     @property
     def workload_name(self) -> str:

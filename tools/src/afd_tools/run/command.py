@@ -180,6 +180,15 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "bucket of rows (a larger item runs eagerly); needs --backend triton",
     )
     p.add_argument(
+        "--exchange-graphs",
+        type=int,
+        default=DEFAULT.exchange_graphs,
+        metavar="N",
+        help="attention ranks on cuda: replay each MoE layer's dispatch and combine from CUDA "
+        "graphs, holding up to N token counts (the first use of a count runs eagerly, the "
+        "second captures); --transport nvshmem only (default 0: eager)",
+    )
+    p.add_argument(
         "--seed", type=int, default=DEFAULT.seed, help="seed for weights and the workload"
     )
     p.add_argument(

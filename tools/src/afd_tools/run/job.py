@@ -100,6 +100,9 @@ class RunJob:
     ffn_graph_buckets: tuple[int, ...] | None = None
     """FFN ranks: the routed experts as CUDA-graph replays, one graph per bucket of rows
     (``afd_models.GraphedExperts``; needs the ``triton`` backend)."""
+    exchange_graphs: int = 0
+    """Attention ranks: each MoE layer's dispatch and combine as CUDA-graph replays, up to
+    this many token counts held (transports that have them: ``nvshmem``); 0: eager."""
     # seeds and limits
     seed: int = 0
     """Seeds the weights and the workload."""
@@ -143,6 +146,11 @@ class RunJob:
         ):
             raise WorkloadError(
                 f"--ffn-graph-buckets {self.ffn_graph_buckets}: row counts >= 1, e.g. 1024,8192"
+            )
+        if self.exchange_graphs < 0:
+            raise WorkloadError(
+                f"--exchange-graphs is how many token counts to hold as CUDA graphs (0: "
+                f"none), got {self.exchange_graphs}"
             )
         if self.tie_margin is not None and not 0 <= self.tie_margin <= 1:
             raise WorkloadError(f"--tie-margin must be within [0, 1], got {self.tie_margin}")

@@ -164,6 +164,12 @@ def _check_transport_options(job: RunJob, transport: TransportSpec) -> None:
         raise WorkloadError(
             f"--cam-dynamic-quant applies to --transport {' or '.join(able) or '(none here)'} only"
         )
+    if job.exchange_graphs and not transport.exchange_graphs:
+        able = [t.name for t in available_transports().values() if t.exchange_graphs]
+        raise WorkloadError(
+            f"--exchange-graphs applies to --transport {' or '.join(able) or '(none here)'} "
+            f"only; drop it for --transport {transport.name}"
+        )
     transport.check_shared_placement(
         job.shared, transport_option="--transport", shared_option="--shared"
     )
@@ -185,7 +191,11 @@ def _afd_transport(
         wire_format=WireFormat(job.wire_format),
         combine_reduce=CombineReduce(job.combine_reduce),
     )
-    options = TransportOptions(wait_timeout=job.timeout, dynamic_quant=job.cam_dynamic_quant)
+    options = TransportOptions(
+        wait_timeout=job.timeout,
+        dynamic_quant=job.cam_dynamic_quant,
+        exchange_graphs=job.exchange_graphs,
+    )
     try:
         factory = transport.factory(slot, options)
     except AFDError as exc:
