@@ -117,6 +117,8 @@ wait with every flag of a dispatch published by one kernel."""
 KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
 """The 'dev pack' endpoint over the kernel-publish transport (the publish kernel serves the
 packed dispatch)."""
+PROFILED_MODES = ("device", "graphs")
+"""The modes ``--profile`` profiles on the attention side (one file each)."""
 GRAPHED_MODES = frozenset({"graphs"})
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
 of the NVSHMEM connection); in the kernel-publish launch, beside 'kern pub'."""
@@ -311,10 +313,13 @@ def _layer_attention(
                 if not name:
                     results[f"{mode}/{n}/p10"] = _quantile(column, 0.1)
                     results[f"{mode}/{n}/p90"] = _quantile(column, 0.9)
-        if profile and "device" in modes:
-            endpoint = connection.attention_endpoint(modes["device"])
-            _profile_layer(endpoint, x, ids, w, f"{profile}/attention.txt")
-            endpoint.close()
+        for mode in PROFILED_MODES:
+            if profile and mode in modes:
+                endpoint = _endpoint(connection, mode, modes[mode])
+                for _ in range(2):  # eager once, then (a graphed mode) captured
+                    endpoint.combine(endpoint.dispatch(0, x, ids, w))
+                _profile_layer(endpoint, x, ids, w, f"{profile}/attention-{mode}.txt")
+                endpoint.close()
     endpoint = connection.attention_endpoint(next(iter(modes.values())))
     endpoint.announce_shutdown()
     endpoint.close()
@@ -568,6 +573,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         kwargs={
             **specs[0].kwargs,
             "modes": {"kernel-publish": KERNEL_PUBLISH_MODE, "graphs": KERNEL_PUBLISH_MODE},
+            "profile": None if profile is None else str(profile),
         },
     )
     kernel_publish = _launch(layer, _with(specs, env), "kernel_publish")
