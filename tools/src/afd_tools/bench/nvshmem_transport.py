@@ -618,7 +618,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
         modes = [*LAYER_MODES, "host", "kernel-publish", "graphs"]
         ms = {m: times[f"{m}/{n}"] * 1e3 for m in modes}
-        spread = f"{times[f'device/{n}/p10'] * 1e3:.2f}-{times[f'device/{n}/p90'] * 1e3:.2f}"
+        spread = _spread(times, f"device/{n}")
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {ms['kernel-publish']:8.2f} "
@@ -653,7 +653,8 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     print(
         f"  {'tokens':>6} {'kern pub dispatch()':>19} {'combine()':>9} "
-        f"{'graphs dispatch()':>17} {'combine()':>9} {'graphs/kern pub, layer':>22}"
+        f"{'graphs dispatch()':>17} {'combine()':>9} {'graphs/kern pub, layer':>22} "
+        f"{'kern pub p10-p90 ms':>19} {'graphs p10-p90 ms':>17}"
     )
     for n in tokens:
         eager, graphed = f"kernel-publish/{n}", f"graphs/{n}"
@@ -662,9 +663,15 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{times[eager + '/combine_call'] * 1e6:9.1f} "
             f"{times[graphed + '/dispatch_call'] * 1e6:17.1f} "
             f"{times[graphed + '/combine_call'] * 1e6:9.1f} "
-            f"{times[graphed] / times[eager]:22.2f}"
+            f"{times[graphed] / times[eager]:22.2f} "
+            f"{_spread(times, eager):>19} {_spread(times, graphed):>17}"
         )
     return report
+
+
+def _spread(times: dict[str, float], key: str) -> str:
+    """``p10-p90`` of ``key``'s rounds, in ms."""
+    return f"{times[key + '/p10'] * 1e3:.2f}-{times[key + '/p90'] * 1e3:.2f}"
 
 
 def _floor_gbs(bandwidth: dict[str, Any]) -> float:
