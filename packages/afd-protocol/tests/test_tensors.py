@@ -1,5 +1,6 @@
 """relative_error, the measure every afd verification compares outputs with: its value on
-known inputs (computed by hand here), and non-finite inputs never passing a tolerance."""
+known inputs (computed by hand here), and non-finite inputs never passing a tolerance; and
+constant_index's cache with the keeping_constants blocks a CUDA graph capture relies on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import pytest
 import torch
 
-from afd_protocol import relative_error
+from afd_protocol import constant_index, relative_error
 
 
 def test_relative_error_is_the_frobenius_ratio() -> None:
@@ -47,3 +48,45 @@ def test_a_zero_reference_gives_a_finite_error() -> None:
     error = relative_error(torch.full((3,), 1e-3), torch.zeros(3))
     assert math.isfinite(error)
     assert error > 1.0
+
+
+def test_constant_index_caches_each_table_and_drops_the_least_recently_used() -> None:
+    import weakref
+
+    from afd_protocol.core import tensors
+
+    cpu = torch.device("cpu")
+    first = constant_index((1, 2, 3), cpu)
+    assert first.dtype == torch.int64
+    assert first.tolist() == [1, 2, 3]
+    assert constant_index((1, 2, 3), cpu) is first  # built once
+    gone = weakref.ref(first)
+    del first
+    for j in range(tensors.MAX_TABLES):
+        constant_index((j, -1), cpu)
+    assert gone() is None  # dropped from the cache, and nothing else held it
+
+
+def test_keeping_constants_holds_every_table_returned_inside_the_block() -> None:
+    """What a CUDA graph needs: it holds the tables' addresses, the block's list their
+    references, past the cache dropping them."""
+    import weakref
+
+    from afd_protocol import keeping_constants
+    from afd_protocol.core import tensors
+
+    cpu = torch.device("cpu")
+    with keeping_constants() as outer:
+        with keeping_constants() as inner:
+            table = constant_index((7, 8), cpu)
+        again = constant_index((7, 8), cpu)
+    assert inner == [table]
+    assert outer == [table, again]
+    assert again is table
+    held = weakref.ref(table)
+    del table, again, inner
+    for j in range(tensors.MAX_TABLES + 1):
+        constant_index((j, -2), cpu)
+    assert held() is not None  # the outer block's list still holds it
+    assert outer[0].tolist() == [7, 8]
+    assert not tensors._KEEPERS  # both blocks ended

@@ -120,6 +120,29 @@ def test_per_rank_rows_through_the_kernel_endpoints_on_one_gpu(
         assert error <= 2e-2, (reduce, device_pack, layer, error)
 
 
+def _graphed_or_eager(
+    layout: SlotLayout, graphed: bool, max_token_counts: int
+) -> tuple[KernelAttentionEndpoint, list[WindowFFNEndpoint]]:
+    """A loopback world in CUDA memory: its attention endpoint (graph-replayed or eager,
+    with the Triton kernels) and its FFN endpoints."""
+    from afd_transport_nvshmem.graphed_attention import GraphedAttentionEndpoint
+    from afd_transport_nvshmem.kernels import triton_kernels
+
+    world = LoopbackWorld(layout.window(ring_depth=2), device="cuda")
+    transport = world.transport(Role.ATTENTION, 0)
+    options = WindowOptions(timeout=1.0)
+    attention = (
+        GraphedAttentionEndpoint(transport, options, triton_kernels(), max_token_counts)
+        if graphed
+        else KernelAttentionEndpoint(transport, options, triton_kernels())
+    )
+    ffns = [
+        world.connection(Role.FFN, r).ffn_endpoint(options)
+        for r in range(layout.topology.num_ffn_ranks)
+    ]
+    return attention, ffns
+
+
 @pytest.mark.parametrize(("wire", "reduce"), [("per_choice", "attention"), ("per_rank", "ffn")])
 def test_graph_replayed_exchange_equals_the_eager_one_bitwise(wire: str, reduce: str) -> None:
     """Real CUDA graphs and the Triton kernels: twenty layers at two token counts on two
@@ -128,7 +151,6 @@ def test_graph_replayed_exchange_equals_the_eager_one_bitwise(wire: str, reduce:
     import time
 
     from afd_transport_nvshmem.graphed_attention import GraphedAttentionEndpoint
-    from afd_transport_nvshmem.kernels import triton_kernels
 
     hidden, layers = 256, 4
     topo = Topology(1, 2, 16)
@@ -145,15 +167,7 @@ def test_graph_replayed_exchange_equals_the_eager_one_bitwise(wire: str, reduce:
     outputs: dict[bool, list[torch.Tensor]] = {}
     host: dict[bool, list[float]] = {}
     for graphed in (False, True):
-        world = LoopbackWorld(layout.window(ring_depth=2), device="cuda")
-        transport = world.transport(Role.ATTENTION, 0)
-        options = WindowOptions(timeout=1.0)
-        attention: KernelAttentionEndpoint = (
-            GraphedAttentionEndpoint(transport, options, triton_kernels(), 2)
-            if graphed
-            else KernelAttentionEndpoint(transport, options, triton_kernels())
-        )
-        ffns = [world.connection(Role.FFN, r).ffn_endpoint(options) for r in range(2)]
+        attention, ffns = _graphed_or_eager(layout, graphed, 2)
         serving = LinearExperts(layers, 16, hidden, seed=5).to("cuda")
         outputs[graphed], host[graphed] = [], []
         for first in range(0, len(jobs), 2):
@@ -186,3 +200,45 @@ def test_graph_replayed_exchange_equals_the_eager_one_bitwise(wire: str, reduce:
         f"host ms per layer (dispatch + combine, loopback): eager {eager_ms:.3f}, "
         f"graph-replayed {replay_ms:.3f}"
     )
+
+
+def test_graph_replays_survive_dropped_constants_and_graphs_dropped_in_flight() -> None:
+    """Real CUDA graphs, each checked bitwise against the eager endpoint: (1) once the
+    graphs are captured, 300 other constant tables push theirs out of ``constant_index``'s
+    cache and many small allocations take freed memory, yet later replays are unchanged
+    (the graphs keep their tables); (2) with one token count held and two stages in flight,
+    a count's graphs are dropped while a dispatch that replayed them is in flight."""
+    from afd_protocol import constant_index
+    from afd_transport_nvshmem.graphed_attention import GraphedAttentionEndpoint
+
+    hidden, layers = 128, 4
+    layout = SlotLayout(Topology(1, 2, 16), hidden, 64, 4, dtype="float32")
+    gen = torch.Generator().manual_seed(9)
+    counts = [40] * 6 + [24] * 2 + [40] * 4 + [24, 40, 24, 40] + [40] * 6
+    jobs = [
+        (i % layers, *random_routing(n, hidden, 4, list(range(16)), gen, torch.float32))
+        for i, n in enumerate(counts)
+    ]
+    outputs: dict[bool, list[torch.Tensor]] = {}
+    for graphed in (False, True):
+        attention, ffns = _graphed_or_eager(layout, graphed, 1)
+        serving = LinearExperts(layers, 16, hidden, seed=6).to("cuda")
+        outputs[graphed] = []
+        for first in range(0, len(jobs), 2):
+            handles = [
+                attention.dispatch(layer, x.cuda(), ids.cuda(), w.cuda(), stage=s)
+                for s, (layer, x, ids, w) in enumerate(jobs[first : first + 2])
+            ]
+            serving.drain(ffns, poll=0.01)
+            outputs[graphed] += [attention.combine(h) for h in handles]
+            if first == 4:  # the count-40 graphs are captured by now
+                for j in range(300):
+                    constant_index((j, 7, 7), torch.device("cuda"))
+                litter = [torch.full((j % 64 + 1,), -1, device="cuda") for j in range(3000)]
+                del litter
+        if graphed:
+            assert isinstance(attention, GraphedAttentionEndpoint)
+            assert attention.replays >= 10
+        attention.close()
+    for eager, replayed in zip(outputs[False], outputs[True], strict=True):
+        assert torch.equal(eager, replayed)

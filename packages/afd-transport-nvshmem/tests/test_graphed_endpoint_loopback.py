@@ -226,3 +226,68 @@ def test_a_publish_block_sets_each_flag_from_the_values_written_last() -> None:
         block.write([1, 2, 3])
     with pytest.raises(InvalidArgument, match="peer 3 is outside"):
         transport.publish_block([3], 0)
+
+
+def test_a_replayed_combine_that_failed_can_be_retried() -> None:
+    """The combine graph's replay fails once (an out-of-memory, say): the dispatch stays in
+    flight, and the retried combine replays again and checks the expert bounds again."""
+    failures = [RuntimeError("CUDA error: out of memory (simulated)")]
+    combined: list[bool] = []
+
+    def failing_combines(body: Callable[[], Any]) -> tuple[Replay, Any]:
+        replay, outputs = replayed_calls(body)
+        if not isinstance(outputs, torch.Tensor):
+            return replay, outputs  # a dispatch graph (a plan and wire positions)
+
+        def flaky() -> None:
+            if failures:
+                raise failures.pop()
+            replay()
+            combined.append(True)
+
+        return flaky, outputs
+
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS, capture=failing_combines
+    )
+    experts = linear_experts(world, layers=8)
+    run_layers(world, attention, ffns, jobs_of([6], seed=80), stages=1)  # eager
+    x, ids, w = route(6, 3, list(range(7)), 81)
+    handle = attention.dispatch(2, x, ids, w)
+    assert attention.replays == 1
+    experts.drain(ffns)
+    with pytest.raises(RuntimeError, match="simulated"):
+        attention.combine(handle)
+    assert attention.in_flight == 1  # still ours to combine
+    out = attention.combine(handle)
+    expected = experts.reference(2, x, ids, w, False)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert combined == [True]  # the retry replayed the graph (not an eager fallback)
+    assert attention.in_flight == 0
+
+
+def test_another_id_or_weight_dtype_at_a_count_is_another_graph() -> None:
+    """int64 ids, then int32 at the same count, then float64 weights: each runs eagerly
+    once and is captured anew (the graphs' inputs have the dtypes they were made with)."""
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    capture = CountingCapture()
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS, capture=capture
+    )
+    experts = linear_experts(world, layers=8)
+    jobs = jobs_of([6] * 9, seed=90)
+    jobs = [
+        (layer, x, ids.to(torch.int32) if 3 <= i < 6 else ids, w.double() if i >= 6 else w)
+        for i, (layer, x, ids, w) in enumerate(jobs)
+    ]
+    outputs = run_layers(world, attention, ffns, jobs, stages=1)
+    for (layer, x, ids, w), out in zip(jobs, outputs, strict=True):
+        expected = experts.reference(layer, x, ids.long(), w.float(), False)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert attention.replays == 2 * 3  # per dtype pair: eager, capture, replay
+    assert capture.captures == 2 * 3
+    attention.close()
+    assert attention.token_counts == ()  # closing dropped the graphs

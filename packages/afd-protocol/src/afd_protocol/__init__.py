@@ -109,7 +109,12 @@ from afd_protocol.core.rendezvous import (
     supervisor_from_env,
 )
 from afd_protocol.core.serving import Compute, ItemRecord, ServeStats, serve
-from afd_protocol.core.tensors import constant_index, relative_error, torch_dtype
+from afd_protocol.core.tensors import (
+    constant_index,
+    keeping_constants,
+    relative_error,
+    torch_dtype,
+)
 from afd_protocol.core.topology import ExpertPlacement, Role, Topology
 from afd_protocol.core.workitem import (
     PartialsReduce,
@@ -218,6 +223,7 @@ __all__ = [
     "expert_ids_from_counts",
     "freeze_heap",
     "get_transport",
+    "keeping_constants",
     "new_accumulator",
     "next_seq",
     "plan_dispatch",

@@ -67,6 +67,7 @@ class FlagBlock(PublishBlock):
             HostPointer(self._request) if on_gpu else self._request
         )
         self._done = torch.Event(device=device) if on_gpu else None
+        self._prepared = False
 
     @property
     def size(self) -> int:
@@ -83,7 +84,10 @@ class FlagBlock(PublishBlock):
 
     def prepare(self) -> None:
         """Compile and load the kernel with a launch that sets no flag (the block's count is
-        0 while it runs); returns once it ran."""
+        0 while it runs); returns once it ran. Once per block: later calls return at once."""
+        if self._prepared:
+            return
+        self._prepared = True
         if self._done is not None and not self._done.query():
             self._done.synchronize()
         self._words[0] = 0

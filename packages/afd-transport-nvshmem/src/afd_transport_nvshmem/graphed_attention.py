@@ -54,6 +54,7 @@ from afd_protocol import (
     EndpointOptions,
     WireOrder,
     check_expert_bounds,
+    keeping_constants,
     plan_on_device,
 )
 from afd_protocol.window import PublishBlock, WindowDispatch, WindowTransport
@@ -85,7 +86,7 @@ class CudaGraphCapture:
         started = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), keeping_constants() as kept:
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 outputs = body()
@@ -97,7 +98,19 @@ class CudaGraphCapture:
             graph.capture_end()
         self.captures += 1
         self.seconds += time.perf_counter() - started
-        return graph.replay, outputs
+        return _CapturedGraph(graph, kept).replay, outputs
+
+
+class _CapturedGraph:
+    """A graph and the constant tables it was captured with: the graph holds their
+    addresses, this object the references (``constant_index``'s cache may drop them)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, constants: list[torch.Tensor]) -> None:
+        self._graph = graph
+        self._constants = constants
+
+    def replay(self) -> None:
+        self._graph.replay()
 
 
 def replayed_calls(body: Callable[[], _T]) -> tuple[Replay, _T]:
@@ -175,8 +188,9 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         self._max_counts = max_token_counts
         self._capture: GraphCapture = capture or CudaGraphCapture(transport.device)
         self._graphs: OrderedDict[int, dict[int, _LayerGraphs]] = OrderedDict()
-        self._eager_keys: set[tuple[int, int]] = set()
-        """(token count, ring) dispatched eagerly once (so their kernels are loaded)."""
+        self._eager_keys: set[tuple[int, int, torch.dtype, torch.dtype]] = set()
+        """(token count, ring, id and weight dtypes) dispatched eagerly once (so their
+        kernels are loaded)."""
         self._replayed: dict[int, _LayerGraphs] = {}
         """Per ring in flight, the graphs its dispatch replayed (kept if dropped meanwhile)."""
         self.replays = 0
@@ -208,11 +222,14 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         ring = self._next_ring()
         if ring is None or not self._packs_on_device(topk_ids):
             return None
-        return self._graphs.get(topk_ids.shape[0], {}).get(ring)
+        entry = self._graphs.get(topk_ids.shape[0], {}).get(ring)
+        # Graphs copy into inputs of the dtypes they were made with: another is another key.
+        return entry if entry is not None and entry.topk_ids.dtype == topk_ids.dtype else None
 
     def _send(self, handle: WindowDispatch, hidden_states: torch.Tensor) -> None:
         num_tokens = hidden_states.shape[0]
-        key = (num_tokens, handle.ring)
+        # The dtypes too: a kernel compiled for other pointer types would load in a capture.
+        key = (num_tokens, handle.ring, handle.topk_ids.dtype, handle.topk_weights.dtype)
         if not isinstance(handle.plan, DevicePlan):
             super()._send(handle, hidden_states)  # too many rows for the device pack
             return
@@ -256,7 +273,11 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             rings = self._graphs[num_tokens] = {}
         self._graphs.move_to_end(num_tokens)
         entry = rings.get(ring)
-        if entry is None:
+        same_types = entry is not None and (
+            (entry.topk_ids.dtype, entry.topk_weights.dtype)
+            == (handle.topk_ids.dtype, handle.topk_weights.dtype)
+        )
+        if entry is None or not same_types:
             on_gpu = self.device.type != "cpu"
             words = self._topology.num_ffn_ranks * HEADER_FIXED_WORDS
             fixed = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
@@ -309,20 +330,31 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
     # ---- combine ------------------------------------------------------------------------
 
     def _combine_arrived(self, handle: WindowDispatch) -> torch.Tensor:
-        entry = self._replayed.get(handle.ring)
+        ring = handle.ring
+        entry = self._replayed.get(ring)
         if entry is None or handle.plan is not entry.plan:
             return super()._combine_arrived(handle)  # an eager dispatch
-        del self._replayed[handle.ring]
+        # The entry stays until the combine succeeded: a failed combine may be retried.
         if entry.bounds_ready is not None and not entry.bounds_ready.query():
             entry.bounds_ready.synchronize()
         low, high = (int(v) for v in entry.bounds_host.tolist())
         if low < 0 or high >= self._topology.num_experts:
-            self._release(handle.ring)
+            del self._replayed[ring]
+            self._release(ring)
             check_expert_bounds(low, high, self._topology.num_experts)
         assert entry.combine is not None
         assert entry.combine_out is not None
         entry.combine()
-        return entry.combine_out.clone()
+        output = entry.combine_out.clone()
+        del self._replayed[ring]
+        return output
+
+    def close(self) -> None:
+        """Close the endpoint (see the base) and drop every graph and its buffers."""
+        super().close()
+        self._graphs.clear()
+        self._replayed.clear()
+        self._eager_keys.clear()
 
     def _capture_combine(self, entry: _LayerGraphs, ring: int, dtype: torch.dtype) -> None:
         assert entry.plan is not None
