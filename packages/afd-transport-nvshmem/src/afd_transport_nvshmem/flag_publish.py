@@ -93,7 +93,7 @@ class FlagBlock(PublishBlock):
         self._words[0] = 0
         self.launch()
         if self._done is not None:
-            self._done.record(torch.cuda.current_stream(self._device))
+            self._done.record()  # the current stream
             self._done.synchronize()  # before the host writes the next count
 
     def publish(self, values: Sequence[int]) -> None:
@@ -104,7 +104,7 @@ class FlagBlock(PublishBlock):
         self.write(values)
         self.launch()
         if self._done is not None:
-            self._done.record(torch.cuda.current_stream(self._device))
+            self._done.record()  # the current stream
 
 
 class FlagPublisher:

@@ -254,7 +254,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         entry.dispatch()
         self.replays += 1
         if entry.bounds_ready is not None:
-            entry.bounds_ready.record(torch.accelerator.current_stream(self.device))
+            entry.bounds_ready.record()  # the current stream
         handle.plan = entry.plan
         self._replayed[handle.ring] = entry
         handle.device_segments = (

@@ -70,7 +70,7 @@ class PinnedUpload:
             entry.done.synchronize()
         entry.words[:n] = values
         destination[:n].copy_(entry.tensor[:n], non_blocking=True)
-        entry.done.record(torch.accelerator.current_stream(self._device))
+        entry.done.record()  # the current stream (no device lookup in Python)
 
 
 class HeaderUpload:
@@ -109,7 +109,7 @@ class PinnedReadback:
             self._buffers[key] = buffer
         buffer.copy_(source, non_blocking=True)
         done = torch.Event(device=self._device)
-        done.record(torch.accelerator.current_stream(self._device))
+        done.record()  # the current stream
         self._pending[key] = (buffer, done)
 
     def read(self, key: object) -> list[int]:
