@@ -152,6 +152,7 @@ def _start(name: str, scratch: Path, prompts: list[str]) -> Deployment:
             *("--served-model-name", "tiny", "--dtype", "float32", "--seed", "0"),
             *("--max-model-len", str(support.MAX_MODEL_LEN)),
             *("--max-num-batched-tokens", batched),
+            *("--kv-cache-memory-bytes", str(support.KV_CACHE_BYTES)),
             *("--data-parallel-size", "2", "--attention-backend", "CPU_MLA"),
             *("--host", "127.0.0.1", "--port", str(port)),
             *("--additional-config", json.dumps({"afd": {**afd, "role": "attention"}})),
