@@ -186,7 +186,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="attention ranks on cuda: replay each MoE layer's dispatch and combine from CUDA "
         "graphs, holding up to N token counts (the first use of a count runs eagerly, the "
-        "second captures); --transport nvshmem only (default 0: eager)",
+        "second captures; 0: eager); --transport nvshmem only",
     )
     p.add_argument(
         "--seed", type=int, default=DEFAULT.seed, help="seed for weights and the workload"
