@@ -108,6 +108,7 @@ def test_replayed_layers_equal_the_eager_kernel_endpoint_bitwise(
             # (9, ring 0/1) and (4, ring 0/1): eager once each, then a dispatch graph and
             # a combine graph each; 18 dispatches - 4 eager = 14 replayed.
             assert attention.captures == capture.captures == 8
+            assert attention.capture_seconds > 0.0  # what the benchmark reports per capture
             assert attention.replays == 14
             assert attention.token_counts == (4, 9)
         attention.close()

@@ -197,6 +197,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         """Dispatches that replayed a graph (a capture counts as one)."""
         self.captures = 0
         """Graphs captured (dispatch and combine count one each)."""
+        self.capture_seconds = 0.0
+        """Host time spent capturing them (and instantiating: what a new count costs)."""
         super().__init__(transport, options, kernels)
         if self._pack is None:
             self.close()  # the window is free for another endpoint
@@ -318,6 +320,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             wire = plan.token_row_positions if self._reduced_replies else plan.wire_position
             return plan, wire
 
+        started = time.perf_counter()
         try:
             (entry.dispatch, (entry.plan, entry.wire_position)) = self._capture(body)
         except Exception as exc:
@@ -326,6 +329,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 f"CUDA graph failed: {exc}; use the eager kernel endpoint (no graphs)"
             ) from exc
         self.captures += 1
+        self.capture_seconds += time.perf_counter() - started
 
     # ---- combine ------------------------------------------------------------------------
 
@@ -370,6 +374,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         def body() -> torch.Tensor:
             return self._kernels.fused_combine(inputs)
 
+        started = time.perf_counter()
         try:
             entry.combine, entry.combine_out = self._capture(body)
         except Exception as exc:
@@ -379,3 +384,4 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 f"CUDA graph failed: {exc}; use the eager kernel endpoint (no graphs)"
             ) from exc
         self.captures += 1
+        self.capture_seconds += time.perf_counter() - started

@@ -290,6 +290,8 @@ def _layer_attention(
         ids = torch.rand(n, EXPERTS, device=device, generator=gen).topk(TOPK, -1).indices
         w = torch.rand(n, TOPK, device=device, generator=gen)
         samples: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
+        captures = dict.fromkeys(modes, 0.0)
+        capture_seconds = dict.fromkeys(modes, 0.0)
         for _ in range(blocks):
             for mode, options in modes.items():
                 endpoint = _endpoint(connection, mode, options)
@@ -298,7 +300,13 @@ def _layer_attention(
                 torch.cuda.synchronize(device)
                 for _ in range(ROUNDS_PER_BLOCK):
                     samples[mode].append(_timed_round(endpoint, x, ids, w))
+                captures[mode] += getattr(endpoint, "captures", 0)
+                capture_seconds[mode] += getattr(endpoint, "capture_seconds", 0.0)
                 endpoint.close()
+        for mode in GRAPHED_MODES & set(modes):
+            # Per endpoint (one per block): the graphs it held, and the host time per capture.
+            results[f"{mode}/{n}/captures"] = captures[mode] / blocks
+            results[f"{mode}/{n}/capture_s"] = capture_seconds[mode] / max(1.0, captures[mode])
         for mode, rows in samples.items():
             columns = list(zip(*rows, strict=True))
             names = (
@@ -649,12 +657,15 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     print(
         "\nattention host time per layer, eager ('kern pub') vs graph-replayed ('graphs'), "
         "median us (target for graphs: dispatch() + combine() <= 30 us; combine() includes "
-        "the host's wait for the replies)"
+        "the host's wait for the replies); 'graphs held' = graphs one endpoint captured (a "
+        "dispatch and a combine graph per token count and ring), 'ms per capture' = host "
+        "time to capture and instantiate one"
     )
     print(
         f"  {'tokens':>6} {'kern pub dispatch()':>19} {'combine()':>9} "
         f"{'graphs dispatch()':>17} {'combine()':>9} {'graphs/kern pub, layer':>22} "
-        f"{'kern pub p10-p90 ms':>19} {'graphs p10-p90 ms':>17}"
+        f"{'kern pub p10-p90 ms':>19} {'graphs p10-p90 ms':>17} {'graphs held':>11} "
+        f"{'ms per capture':>14}"
     )
     for n in tokens:
         eager, graphed = f"kernel-publish/{n}", f"graphs/{n}"
@@ -664,7 +675,9 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{times[graphed + '/dispatch_call'] * 1e6:17.1f} "
             f"{times[graphed + '/combine_call'] * 1e6:9.1f} "
             f"{times[graphed] / times[eager]:22.2f} "
-            f"{_spread(times, eager):>19} {_spread(times, graphed):>17}"
+            f"{_spread(times, eager):>19} {_spread(times, graphed):>17} "
+            f"{times.get(graphed + '/captures', float('nan')):11.0f} "
+            f"{times.get(graphed + '/capture_s', float('nan')) * 1e3:14.2f}"
         )
     return report
 
