@@ -292,3 +292,24 @@ def test_another_id_or_weight_dtype_at_a_count_is_another_graph() -> None:
     assert capture.captures == 2 * 3
     attention.close()
     assert attention.token_counts == ()  # closing dropped the graphs
+
+
+def test_a_weight_dtype_change_at_a_captured_count_plans_its_own_batch() -> None:
+    """Float32 weights at a count until its graphs replay, then float64 at the same count:
+    the first float64 dispatch runs eagerly, and on its own plan, not the graph's (whose
+    tensors hold the previous layer's routing)."""
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS, capture=replayed_calls
+    )
+    experts = linear_experts(world, layers=8)
+    jobs = jobs_of([6] * 6, seed=95)
+    jobs = [
+        (layer, x, ids, w.double() if i >= 3 else w) for i, (layer, x, ids, w) in enumerate(jobs)
+    ]
+    outputs = run_layers(world, attention, ffns, jobs, stages=1)
+    for (layer, x, ids, w), out in zip(jobs, outputs, strict=True):
+        expected = experts.reference(layer, x, ids, w.float(), False)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert attention.replays == 2 * 2

@@ -78,12 +78,8 @@ class CudaGraphCapture:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self.captures = 0
-        self.seconds = 0.0
-        """Host time spent capturing so far."""
 
     def __call__(self, body: Callable[[], _T]) -> tuple[Replay, _T]:
-        started = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._stream), keeping_constants() as kept:
@@ -96,8 +92,6 @@ class CudaGraphCapture:
                     graph.capture_end()
                 raise
             graph.capture_end()
-        self.captures += 1
-        self.seconds += time.perf_counter() - started
         return _CapturedGraph(graph, kept).replay, outputs
 
 
@@ -237,6 +231,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             return
         if key not in self._eager_keys:
             self._eager_keys.add(key)  # first use: eager, which loads every kernel
+            if self._replays_into(handle.plan):  # another dtype's graph plan: plan afresh
+                handle.plan = super()._plan(handle.topk_ids)
             super()._send(handle, hidden_states)
             return
         entry = self._layer_graphs(num_tokens, handle.ring, hidden_states, handle)
@@ -263,6 +259,10 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             entry.plan.token_row_offsets if self._reduced_replies else entry.plan.segment_offsets
         )
         self._expect(handle, headers)
+
+    def _replays_into(self, plan: WireOrder) -> bool:
+        """Whether ``plan`` is a graph's (its tensors hold that graph's last replay)."""
+        return any(e.plan is plan for rings in self._graphs.values() for e in rings.values())
 
     def _layer_graphs(
         self, num_tokens: int, ring: int, hidden: torch.Tensor, handle: WindowDispatch
@@ -320,16 +320,9 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             wire = plan.token_row_positions if self._reduced_replies else plan.wire_position
             return plan, wire
 
-        started = time.perf_counter()
-        try:
-            (entry.dispatch, (entry.plan, entry.wire_position)) = self._capture(body)
-        except Exception as exc:
-            raise AFDError(
-                f"capturing the dispatch of {entry.hidden.shape[0]} tokens (ring {ring}) as a "
-                f"CUDA graph failed: {exc}; use the eager kernel endpoint (no graphs)"
-            ) from exc
-        self.captures += 1
-        self.capture_seconds += time.perf_counter() - started
+        entry.dispatch, (entry.plan, entry.wire_position) = self._captured(
+            "dispatch", entry, ring, body
+        )
 
     # ---- combine ------------------------------------------------------------------------
 
@@ -374,14 +367,24 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         def body() -> torch.Tensor:
             return self._kernels.fused_combine(inputs)
 
+        try:
+            entry.combine, entry.combine_out = self._captured("combine", entry, ring, body)
+        except AFDError:
+            entry.dispatch = None  # captured again, both, at the next use
+            raise
+
+    def _captured(
+        self, what: str, entry: _LayerGraphs, ring: int, body: Callable[[], _T]
+    ) -> tuple[Replay, _T]:
+        """``self._capture(body)``, counted and timed; a failure is an :class:`AFDError`."""
         started = time.perf_counter()
         try:
-            entry.combine, entry.combine_out = self._capture(body)
+            captured = self._capture(body)
         except Exception as exc:
-            entry.dispatch = None  # captured again, both, at the next use
             raise AFDError(
-                f"capturing the combine of {entry.hidden.shape[0]} tokens (ring {ring}) as a "
+                f"capturing the {what} of {entry.hidden.shape[0]} tokens (ring {ring}) as a "
                 f"CUDA graph failed: {exc}; use the eager kernel endpoint (no graphs)"
             ) from exc
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
+        return captured

@@ -106,7 +106,7 @@ from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
 
 if TYPE_CHECKING:
     from afd_transport_nvshmem.device_wait import DeviceWaiter
-    from afd_transport_nvshmem.flag_publish import FlagPublisher
+    from afd_transport_nvshmem.flag_publish import FlagBlock, FlagPublisher
 
 WaitMode = Literal["device", "host"]
 PublishMode = Literal["stream", "kernel"]
@@ -307,11 +307,7 @@ class NvshmemTransport(WindowTransport):
         if self._publisher is None or len(peers) != len(values):
             super().publish_all(peers, flag_index, values)  # (which names a length mismatch)
             return
-
-        def addresses() -> list[int]:
-            return [self._peer_flags[self.check_peer(p)].data_ptr() + 4 * flag_index for p in peers]
-
-        self._publisher.publish((tuple(peers), flag_index), values, addresses)
+        self._flag_block(self._publisher, peers, flag_index).publish(values)
 
     def publish_block(self, peers: Sequence[int], flag_index: int) -> PublishBlock:
         """One Triton launch with a release store at system scope per flag, values read from
@@ -322,6 +318,12 @@ class NvshmemTransport(WindowTransport):
             from afd_transport_nvshmem.flag_publish import FlagPublisher
 
             publisher = self._block_publisher = FlagPublisher(self._device, self.num_peers)
+        return self._flag_block(publisher, peers, flag_index)
+
+    def _flag_block(
+        self, publisher: FlagPublisher, peers: Sequence[int], flag_index: int
+    ) -> FlagBlock:
+        """``publisher``'s block for flag ``flag_index`` of ``peers`` (made on first use)."""
         wanted = [self.check_peer(p) for p in peers]
 
         def addresses() -> list[int]:
