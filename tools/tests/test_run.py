@@ -160,6 +160,11 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
             "--exchange-graphs applies to --transport nvshmem only; drop it for --transport shm",
         ),
         (
+            ["--ffn-graph", "--backend", "triton"],
+            "--ffn-graph applies to --transport nvshmem only (the serve loop's kernels); drop it "
+            "for --transport shm",
+        ),
+        (
             ["--exchange-graphs", "-1"],
             "--exchange-graphs is how many token counts to hold as CUDA graphs (0: none), got -1",
         ),

@@ -176,6 +176,16 @@ def test_float32_on_the_gpu_matches_the_reference_to_float32_precision(
     assert data["deployment"]["exchange_graphs"] == (4 if graphs else 0)  # type: ignore[index]
 
 
+def test_both_sides_replayed_from_cuda_graphs_match_the_reference(tmp_path: Path) -> None:
+    """--exchange-graphs 4 --ffn-graph --backend triton: the attention exchange and the FFN
+    ranks' whole serve loop replayed from CUDA graphs, every mode verified (float32)."""
+    both = ["--exchange-graphs", "4", "--ffn-graph", "--backend", "triton"]
+    data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *SHARE, *both)
+    assert "(tolerance 1e-05; worst " in out
+    assert data["verification_failures"] == {}
+    assert data["deployment"]["ffn_graph"] is True  # type: ignore[index]
+
+
 def _gpu_processes() -> set[int]:
     """Pids holding a CUDA context on any GPU (nvidia-smi's compute apps)."""
     out = subprocess.run(

@@ -52,6 +52,11 @@ def _parsed(*argv: str) -> Any:
         ({"ffn_graph_buckets": ()}, "--ffn-graph-buckets (): row counts >= 1, e.g. 1024,8192"),
         ({"ffn_graph_buckets": (0, 8)}, "--ffn-graph-buckets (0, 8): row counts >= 1"),
         (
+            {"ffn_graph": True, "ffn_graph_buckets": (64,)},
+            "--ffn-graph already replays the experts inside the serve loop's graph; drop "
+            "--ffn-graph-buckets",
+        ),
+        (
             {"wire_format": "per_choice"},
             "--combine-reduce ffn needs --wire-format per_rank (per_choice rows carry no "
             "weights for the FFN ranks to reduce with); add --combine-reduce attention",
@@ -116,6 +121,7 @@ def test_the_command_line_builds_the_job_field_by_field() -> None:
         RunJob(workload_file=Path("/tmp/a b.jsonl"), dtype="bfloat16", colocated="mono"),
         RunJob(backend="triton", ffn_graph_buckets=(64, 4096)),
         RunJob(device="cuda", transport="nvshmem", exchange_graphs=4),
+        RunJob(device="cuda", transport="nvshmem", backend="triton", ffn_graph=True),
     ],
 )
 def test_the_command_line_of_a_job_builds_that_job(job: RunJob) -> None:
@@ -204,6 +210,17 @@ def test_ffn_graph_buckets_need_the_triton_backend_and_whole_row_counts(
     assert str(caught.value) == (
         "--ffn-graph-buckets replays the triton backend's kernels, but the FFN ranks' backend "
         "is reference: add --backend triton"
+    )
+    with pytest.raises(WorkloadError) as caught:
+        prepare(RunJob(device="cpu", requests=4, max_prompt_len=16, ffn_graph=True))
+    assert str(caught.value) == (
+        "--ffn-graph replays the triton backend's kernels, but the FFN ranks' backend is "
+        "reference: add --backend triton"
+    )
+    with pytest.raises(WorkloadError) as caught:
+        prepare(RunJob(device="cpu", backend="triton", shared="ffn", ffn_graph=True))
+    assert str(caught.value) == (
+        "--ffn-graph serves routed experts only: use --shared attention (the default)"
     )
     with pytest.raises(SystemExit):
         _parsed("--ffn-graph-buckets", "64,x")

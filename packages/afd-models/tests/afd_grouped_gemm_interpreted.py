@@ -97,6 +97,31 @@ def check_graphed_experts() -> None:
     print("graphed experts over buckets (16, 64), eager on CPU: ok")
 
 
+def check_device_expert_step() -> None:
+    """FFNRoleExecutor.device_expert_step: over a static buffer larger than the item (its
+    tail holds another item's rows) and with the *model* layer index in a device tensor, the
+    first rows equal the backend's output for every MoE layer."""
+    from afd_models import FFNRoleExecutor, preset
+
+    config = preset("tiny")
+    executor = FFNRoleExecutor(config, range(4), backend="triton")
+    step = executor.device_expert_step()
+    gen = torch.Generator().manual_seed(5)
+    buffer = torch.randn(96, config.hidden_size, generator=gen)
+    for n in (40, 7, 0):
+        counts = torch.zeros(4, dtype=torch.int64)
+        if n:
+            counts = torch.bincount(torch.randint(0, 4, (n,), generator=gen), minlength=4)
+        rows = torch.randn(n, config.hidden_size, generator=gen)
+        buffer[:n] = rows
+        for layer in config.moe_layers:
+            got = step(buffer, counts, torch.tensor([layer], dtype=torch.int32))
+            assert got.shape == buffer.shape, got.shape
+            want = executor.backend(GroupedRows(rows, counts), executor.experts[layer])
+            torch.testing.assert_close(got[:n], want, rtol=1e-6, atol=1e-6)
+    print("device expert step over a static buffer, model layer on the device: ok")
+
+
 def check_tile_table() -> None:
     counts = [0, 33, 1, 36, 0]
     offsets, expert, row = tgg.tile_table(torch.tensor(counts), sum(counts), 16)
@@ -129,6 +154,7 @@ def main() -> int:
     check_layer_select()
     check_expert_stack()
     check_graphed_experts()
+    check_device_expert_step()
     print("triton grouped gemm: ok")
     return 0
 

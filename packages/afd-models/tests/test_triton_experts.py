@@ -106,6 +106,17 @@ def test_graph_buckets_need_the_triton_backend_and_sane_sizes() -> None:
         FFNRoleExecutor(config, range(4), backend="triton", graph_buckets=(0, 16))
 
 
+def test_a_device_expert_step_needs_the_triton_backend_and_attention_shared_experts() -> None:
+    from afd_models import ConfigError, FFNRoleExecutor, preset
+
+    config = preset("tiny")
+    with pytest.raises(ConfigError, match="build the executor with backend='triton'"):
+        FFNRoleExecutor(config, range(4)).device_expert_step()
+    shared_here = FFNRoleExecutor(config, range(4), backend="triton", shared_placement="ffn")
+    with pytest.raises(ConfigError, match="computes routed experts only"):
+        shared_here.device_expert_step()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_a_gpu_graph_replays_equal_eager_steps_for_every_layer_and_size() -> None:

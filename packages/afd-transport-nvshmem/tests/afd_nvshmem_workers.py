@@ -128,6 +128,88 @@ def ffn_grouped(
     }
 
 
+def linear_step(experts: LinearExperts, local: list[int], device: torch.device, dtype: Any) -> Any:
+    """The :class:`LinearExperts` of an FFN rank holding ``local`` as a graph-capturable
+    expert step (``afd_transport_nvshmem.graphed_ffn.ExpertStep``): each row times its
+    expert's matrix, the expert from the counts and the layer read on the device."""
+    routed = experts.routed[:, local].to(device, dtype)  # [L, E_local, H, H]
+    last = len(local) - 1
+
+    def step(rows: torch.Tensor, counts: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(rows.shape[0], device=rows.device)
+        ids = torch.searchsorted(torch.cumsum(counts, 0), positions, right=True).clamp(max=last)
+        weights = routed.index_select(0, layer.long())[0][ids]
+        return torch.bmm(rows.unsqueeze(1), weights).squeeze(1)
+
+    return step
+
+
+def affine_step(layers: int, seed: int, local: list[int], device: torch.device) -> Any:
+    """Expert ``e`` of layer ``l`` as ``x * scale[l, e] + bias[l, e]``: elementwise, so a
+    graphed step over a static buffer and an eager one over the item's rows compute the same
+    bits (the bitwise comparison of the two FFN loops)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = len(local)
+    scale = (torch.rand(layers, experts, generator=gen) + 0.5).to(device)
+    bias = torch.randn(layers, experts, 1, generator=gen).to(device)
+
+    def step(rows: torch.Tensor, counts: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(rows.shape[0], device=rows.device)
+        ids = torch.searchsorted(torch.cumsum(counts, 0), positions, right=True)
+        ids = ids.clamp(max=experts - 1)
+        at = layer.long()
+        return rows * scale.index_select(0, at)[0][ids][:, None] + bias.index_select(0, at)[0][ids]
+
+    return step
+
+
+def ffn_graphed(
+    connection: Connection,
+    *,
+    layers: int,
+    seed: int,
+    experts: str = "linear",
+    steps_per_graph: int = 4,
+    eager: bool = False,
+) -> dict[str, Any]:
+    """Serve with :class:`GraphedFFNServer` (or, with ``eager``, the window FFN endpoint
+    and the same expert step on each item's grouped rows) until every attention rank shut
+    down; ``experts``: ``linear`` (:class:`LinearExperts`) or ``affine``."""
+    from afd_transport_nvshmem.graphed_ffn import ServeGraphOptions
+
+    device = connection.device
+    options = EndpointOptions(timeout=60.0, num_layers=layers, num_stages=2)
+    local = list(connection.layout.topology.local_experts(connection.rank))
+    dtype = getattr(torch, connection.layout.dtype)
+    if experts == "linear":
+        step = linear_step(_experts(connection, layers, seed), local, device, dtype)
+    else:
+        step = affine_step(layers, seed, local, device)
+    if eager:
+        ep = connection.ffn_endpoint(options)
+
+        def compute(item: WorkItem) -> tuple[torch.Tensor, None]:
+            outs = []
+            for part in item.parts:
+                rows, group_list = part.grouped()
+                layer = torch.tensor([item.layer], dtype=torch.int32, device=device)
+                outs.append(part.finish(step(rows, group_list, layer)))
+            return torch.cat(outs), None
+
+        return {"served": len(serve(ep, compute).items)}
+    graph = ServeGraphOptions(steps_per_graph=steps_per_graph)
+    server = connection.graphed_ffn_server(step, options, graph)  # type: ignore[attr-defined]
+    stats = server.serve()
+    server.close()
+    return {
+        "served": len(stats.items),
+        "replicas": [r.replica for r in stats.items],
+        "replays": server.replays,
+        "capture_s": server.capture_seconds,
+        "sequence": connection.transport.sequence.last,  # type: ignore[attr-defined]
+    }
+
+
 def attention_jobs(
     connection: Connection,
     *,
@@ -139,11 +221,13 @@ def attention_jobs(
     record: bool = False,
     check_no_sync: bool = False,
     device_pack: bool | None = None,
+    die_after: int | None = None,
 ) -> dict[str, Any]:
     """Dispatch jobs (``in_flight`` at a time), check every output, then shut down.
 
     With ``check_no_sync``, ``combine`` runs with CUDA's sync debug mode set to "error";
-    ``device_pack`` is the endpoint option (None: the default).
+    ``device_pack`` is the endpoint option (None: the default); ``die_after``: SIGKILL
+    this process after that many combines.
     """
     slot = connection.layout
     ep = connection.attention_endpoint(WindowOptions(timeout=60.0, device_pack=device_pack))
@@ -177,6 +261,8 @@ def attention_jobs(
             handle = ep.dispatch(job["layer"], x.to(dev), ids.to(dev), w.to(dev), stage=stage)
             batch.append((job["layer"], x, ids, w, handle))
         for layer, x, ids, w, handle in batch:
+            if die_after is not None and len(out["errors"]) >= die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
             with no_host_sync(check_no_sync):
                 result = ep.combine(handle)
             out.setdefault("layers", []).append(layer)

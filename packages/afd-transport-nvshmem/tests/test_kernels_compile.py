@@ -170,3 +170,139 @@ def test_the_ffn_side_reduce_compiles(dtype: str) -> None:
         },
         {"TOPK": 8, "BLOCK": 1024},
     )
+
+
+SERVE_CONSTANTS = {
+    "NUM_COUNTS": 64,
+    "COUNT_BLOCK": 64,
+    "FIXED": HEADER_FIXED_WORDS,
+    "FIXED_BLOCK": 16,
+    "RECORD_WORDS": 96,
+    "MAGIC": 0x41464447,
+    "VERSION": 3,
+}
+
+
+@pytest.mark.parametrize("rows_per_token", [False, True])
+def test_the_serve_take_compiles_with_acquire_polls_and_a_released_record(
+    rows_per_token: bool,
+) -> None:
+    from afd_transport_nvshmem import serve_kernels
+
+    names = ["flags", "aborts", "window_words", "state", "item"]
+    signature = dict.fromkeys(names, "*i32")
+    signature |= {"counts_out": "*i64", "layer_out": "*i32", "records": "*i32"}
+    signature |= {"control": "*i32", "served": "*i32", "crc_columns": "*i32"}
+    scalars = [
+        "crc_base",
+        "num_slots",
+        "ring_depth",
+        "num_attention",
+        "slots_word",
+        "slot_words",
+        "num_layers",
+        "num_stages",
+        "token_cap",
+        "routed_cap",
+        "shared_cap",
+        "topk",
+        "max_polls",
+        "num_records",
+    ]
+    signature |= dict.fromkeys(scalars, "i32")
+    compiled = _compile(
+        serve_kernels._take_kernel,
+        signature,
+        {
+            **SERVE_CONSTANTS,
+            "SLOT_BLOCK": 8,
+            "RANK_BLOCK": 4,
+            "ROWS_PER_TOKEN": rows_per_token,
+            "REDUCE": rows_per_token,
+            "CHECK_SERVED": True,
+            "KNOWN_FLAGS": 7,
+            "FLAG_SHUTDOWN": 1,
+            "FLAG_ROWS": 4,
+        },
+    )
+    ptx = compiled.asm["ptx"]
+    assert "atom.global.sys.acquire" in ptx  # flag and abort-word polls
+    assert "ld.volatile.global" in ptx  # the host's stop word, read fresh
+    release = ptx.rindex("atom.global.sys.release.exch")  # the record's code, to the host
+    before = ptx[:release]
+    assert before.rfind("bar.sync") > before.rfind("st.global")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_serve_row_kernels_compile(dtype: str) -> None:
+    from afd_transport_nvshmem import serve_kernels
+
+    _compile(
+        serve_kernels._expand_kernel,
+        {
+            "window_words": "*i32",
+            "item": "*i32",
+            "counts": "*i64",
+            "row_of_partial": "*i64",
+            "partial_of_slot": "*i64",
+            "slots_word": "i32",
+            "slot_words": "i32",
+            "ids_word": "i32",
+            "partials_cap": "i32",
+        },
+        {"NUM_COUNTS": 64, "COUNT_BLOCK": 64, "TOPK": 6, "TOPK_BLOCK": 8, "ROWS": 256},
+    )
+    for expand in (False, True):
+        _compile(
+            serve_kernels._gather_rows_kernel,
+            {
+                "window_rows": f"*{dtype}",
+                "item": "*i32",
+                "row_of_partial": "*i64",
+                "out": f"*{dtype}",
+                "slots_elem": "i64",
+                "slot_elems": "i64",
+                "rows_elem": "i64",
+                "hidden": "i32",
+            },
+            {"EXPAND": expand, "ROWS": 8, "BLOCK": 1024},
+        )
+    for reduce in (False, True):
+        _compile(
+            serve_kernels._reply_rows_kernel,
+            {
+                "out": f"*{dtype}",
+                "window_floats": "*fp32",
+                "item": "*i32",
+                "partial_of_slot": "*i64",
+                "peer_windows": "*i64",
+                "reply_rows_byte": "i64",
+                "slot_bytes": "i64",
+                "slots_float": "i64",
+                "slot_floats": "i64",
+                "weights_float": "i64",
+                "hidden": "i32",
+            },
+            {"REDUCE": reduce, "TOPK": 6, "ROWS": 8, "BLOCK": 1024},
+        )
+
+
+def test_the_serve_reply_publishes_its_flag_after_the_header_with_a_release() -> None:
+    from afd_transport_nvshmem import serve_kernels
+
+    names = ["window_words", "item", "state", "records"]
+    signature = dict.fromkeys(names, "*i32")
+    signature |= {"peer_windows": "*i64", "crc_columns": "*i32"}
+    scalars = ["reply_header_byte", "reply_flag_byte", "slot_bytes", "slots_word", "slot_words"]
+    signature |= dict.fromkeys(scalars, "i64")
+    signature |= {"crc_base": "i32", "rank": "i32", "num_records": "i32"}
+    compiled = _compile(
+        serve_kernels._reply_header_kernel,
+        signature,
+        {**SERVE_CONSTANTS, "SLOT_BLOCK": 8, "REPLY_FLAGS": 4},
+    )
+    ptx = compiled.asm["ptx"]
+    flag = ptx.index("atom.global.sys.release.exch")  # the reply's flag, to the peer
+    before = ptx[:flag]
+    assert "st.global" in before  # the header words
+    assert before.rfind("bar.sync") > before.rfind("st.global")

@@ -127,6 +127,42 @@ class FFNRoleExecutor:
         routed_out = torch.cat(routed) if routed else self._empty()
         return routed_out, (torch.cat(shared) if shared else None)
 
+    def device_expert_step(
+        self,
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The routed experts of every MoE layer as one step a CUDA graph can hold: ``step(rows
+        [P, H], counts int64 [E_local], layer int32 [1]) -> [P, H]``, everything on
+        :attr:`device` in :attr:`dtype`, rows grouped by local expert (``counts`` each, in
+        order; rows past their sum are never read), ``layer`` the *model* layer index --
+        mapped to its place in the stacked weights on the device, so nothing reaches the
+        host. The ``triton`` backend's kernels (gate/up GEMM, SwiGLU, down GEMM over the
+        layer-select weight stack), as :meth:`compute` runs them; what a device serve loop
+        (``afd_transport_nvshmem.graphed_ffn``) captures around its intake and reply. Needs
+        ``backend="triton"`` and the shared experts on the attention side."""
+        if self.backend.name != "triton":
+            raise ConfigError(
+                f"a device expert step runs the triton backend's kernels, but the backend is "
+                f"{self.backend.name!r}: build the executor with backend='triton'"
+            )
+        if self.shared_placement is SharedPlacement.FFN:
+            raise ConfigError(
+                "a device expert step computes routed experts only; with shared_placement='ffn' "
+                "use compute() (or place the shared experts on the attention side)"
+            )
+        from afd_models import triton_grouped_gemm
+
+        positions = torch.zeros(self.config.num_hidden_layers, dtype=torch.int32)
+        for layer in self.config.moe_layers:
+            positions[layer] = self.stack.position(layer)
+        on_device = positions.to(self.device)
+        stack = self.stack
+
+        def step(rows: torch.Tensor, counts: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+            where = on_device.index_select(0, layer.long())
+            return triton_grouped_gemm.expert_step(rows, stack.gate_up, stack.down, counts, where)
+
+        return step
+
     def _shared(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         if self.shared_placement is not SharedPlacement.FFN:
             raise ConfigError(

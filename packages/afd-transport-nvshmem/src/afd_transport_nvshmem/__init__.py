@@ -26,6 +26,10 @@ def __getattr__(name: str) -> object:
         from afd_transport_nvshmem import graphed_attention
 
         return graphed_attention.GraphedAttentionEndpoint
+    if name in ("GraphedFFNServer", "ServeGraphOptions"):
+        from afd_transport_nvshmem import graphed_ffn  # Triton loads here
+
+        return getattr(graphed_ffn, name)
     raise AttributeError(name)
 
 
@@ -33,11 +37,13 @@ __all__ = [
     "SINGLE_NODE_DEFAULTS",
     "STRUCT_SIZES",
     "GraphedAttentionEndpoint",
+    "GraphedFFNServer",
     "NvshmemConnection",
     "NvshmemLibrary",
     "NvshmemOptions",
     "NvshmemTransport",
     "NvshmemUnavailable",
+    "ServeGraphOptions",
     "__version__",
     "apply_single_node_defaults",
     "find_host_library",

@@ -24,6 +24,8 @@ chosen once, when the endpoint is made:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from afd_protocol import (
@@ -49,6 +51,9 @@ from afd_protocol.window import (
     WindowFFNEndpoint,
     WindowTransport,
 )
+
+if TYPE_CHECKING:
+    from afd_transport_nvshmem.graphed_ffn import ExpertStep, GraphedFFNServer, ServeGraphOptions
 from afd_transport_nvshmem.kernel_specs import (
     CombineInputs,
     PackInputs,
@@ -313,3 +318,15 @@ class KernelWindowConnection(WindowConnection):
     def ffn_endpoint(self, options: EndpointOptions | None = None) -> WindowFFNEndpoint:
         """This FFN rank's endpoint; its ``per_rank`` parts reduce with the kernels' reduce."""
         return WindowFFNEndpoint(self.transport, options, self.endpoint_kernels().reduce_partials)
+
+    def graphed_ffn_server(
+        self,
+        step: ExpertStep,
+        options: EndpointOptions | None = None,
+        graph: ServeGraphOptions | None = None,
+    ) -> GraphedFFNServer:
+        """This FFN rank's serve loop replayed from a CUDA graph around the expert ``step``
+        (:class:`~afd_transport_nvshmem.graphed_ffn.GraphedFFNServer`; Triton loads now)."""
+        from afd_transport_nvshmem.graphed_ffn import GraphedFFNServer
+
+        return GraphedFFNServer(self.transport, step, options, graph)

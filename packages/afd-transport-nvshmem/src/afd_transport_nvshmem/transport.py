@@ -361,7 +361,7 @@ class NvshmemTransport(WindowTransport):
                 while status == 0:
                     now = time.monotonic()
                     if now >= next_liveness:
-                        self._check_alive(peers)
+                        self.check_alive(peers)
                         next_liveness = now + self._liveness_interval
                     if now >= deadline + 1.0:
                         raise PeerTimeout(f"{self._name}: the device wait did not report in time")
@@ -414,7 +414,7 @@ class NvshmemTransport(WindowTransport):
                     self._raise_aborted(peers)
                 now = time.monotonic()
                 if now >= next_liveness:
-                    self._check_alive(peers)
+                    self.check_alive(peers)
                     next_liveness = now + self._liveness_interval
                 if now >= deadline:
                     raise PeerTimeout(f"{self._name}: nothing arrived within {timeout:g} s")
@@ -427,7 +427,9 @@ class NvshmemTransport(WindowTransport):
             f"error for the cause)"
         )
 
-    def _check_alive(self, peers: Sequence[int]) -> None:
+    def check_alive(self, peers: Sequence[int]) -> None:
+        """Raise :class:`PeerAborted` when one of ``peers`` or the launcher exited (the
+        rendezvous's process checks)."""
         self._rendezvous.check_alive([self._peer_world[p] for p in peers])
 
     def abort(self) -> None:

@@ -73,3 +73,33 @@ def _serve(connection: Connection, timing: bool) -> dict[str, Any]:
             n: statistics.median(s.elapsed_time(e) for s, e in pairs) for n, pairs in events.items()
         }
     return report
+
+
+def serve_identity_graphed(connection: Connection, steps_per_graph: int = 4) -> dict[str, Any]:
+    """Serve until every attention rank shuts down with the FFN loop replayed from a CUDA
+    graph (:class:`afd_transport_nvshmem.graphed_ffn.GraphedFFNServer`), the expert step an
+    identity: the replies are the rows the experts would get (``per_rank``: expanded, and
+    reduced with the weights where the FFN side reduces). Returns the items served, the
+    graph replays and the host time of the capture."""
+    from afd_transport_nvshmem.graphed_ffn import ServeGraphOptions
+
+    make = getattr(connection, "graphed_ffn_server", None)
+    if make is None:
+        raise SystemExit(
+            f"the graphed FFN loop needs a connection with device kernels (NVSHMEM); got "
+            f"{type(connection).__name__}"
+        )
+    server = make(
+        lambda rows, counts, layer: rows,
+        EndpointOptions(timeout=120.0),
+        ServeGraphOptions(steps_per_graph=steps_per_graph),
+    )
+    try:
+        stats = server.serve()
+    finally:
+        server.close()
+    return {
+        "served": len(stats.items),
+        "replays": server.replays,
+        "capture_s": server.capture_seconds,
+    }

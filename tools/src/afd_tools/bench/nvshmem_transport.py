@@ -40,7 +40,7 @@ import torch
 from afd_protocol import AttentionEndpoint, Role, SlotLayout, Topology
 from afd_protocol.launch import GPU_START_METHOD, RankSpec, launch
 from afd_protocol.window import WindowConnection, WindowOptions, WindowTransport
-from afd_tools.bench.identity_ffn import serve_identity
+from afd_tools.bench.identity_ffn import serve_identity, serve_identity_graphed
 from afd_tools.bench.pingpong import flag_pingpong
 from afd_tools.bench.stats import human_bytes
 
@@ -119,9 +119,10 @@ KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
 packed dispatch)."""
 PROFILED_MODES = ("device", "graphs")
 """The modes ``--profile`` profiles on the attention side (one file each)."""
-GRAPHED_MODES = frozenset({"graphs"})
+GRAPHED_MODES = frozenset({"graphs", "ffn-graph"})
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
-of the NVSHMEM connection); in the kernel-publish launch, beside 'kern pub'."""
+of the NVSHMEM connection): 'graphs' in the kernel-publish launch, beside 'kern pub';
+'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too."""
 
 
 def _wait_any_latency(connection: WindowConnection, iterations: int) -> float:
@@ -586,6 +587,22 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     kernel_publish = _launch(layer, _with(specs, env), "kernel_publish")
     times.update(kernel_publish["attention rank 0"].value)
+    # Both sides replayed from CUDA graphs: the FFN rank's serve loop is one graph (a launch
+    # of its own, since an FFN rank serves one way).
+    specs = [
+        dataclasses.replace(
+            specs[0],
+            kwargs={
+                **specs[0].kwargs,
+                "modes": {"ffn-graph": KERNEL_PUBLISH_MODE},
+                "profile": None,
+            },
+        ),
+        RankSpec(Role.FFN, 0, serve_identity_graphed),
+    ]
+    ffn_graph = _launch(layer, _with(specs, env), "kernel_publish")
+    times.update(ffn_graph["attention rank 0"].value)
+    report["ffn_graph"] = ffn_graph["ffn rank 0"].value
     report["ffn_reply"] = {
         "host_ms": {str(k): v for k, v in ffn.get("reply_host_ms", {}).items()},
         "gpu_ms": {str(k): v for k, v in ffn.get("reply_gpu_ms", {}).items()},
@@ -606,7 +623,9 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         f"of its own: host polls are a transport option); 'kern pub' = 'dev pack' with every "
         f"flag set by one publish kernel (a launch of its own, the transport option "
         f"publish='kernel'); 'graphs' = 'kern pub' with dispatch and combine replayed from "
-        f"CUDA graphs (interleaved with 'kern pub' in that launch). 'floor' = the rows there "
+        f"CUDA graphs (interleaved with 'kern pub' in that launch); 'ffn graph' = 'graphs' "
+        f"with the FFN rank's serve loop replayed from one CUDA graph too (a launch of its "
+        f"own). 'floor' = the rows there "
         f"and back at "
         f"the same-run peer copy_ bandwidth ({floor_gbs:.0f} GB/s). 'p10-p90' = the spread of "
         f"'device' over its rounds. 'link' = the same bytes at {NVLINK_GBS:.0f} GB/s (a peer "
@@ -614,7 +633,8 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
-        f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'floor':>7} {'floor/device':>12} "
+        f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'ffn graph':>9} {'floor':>7} "
+        f"{'floor/device':>12} "
         f"{'host/device':>11} "
         f"{'p10-p90':>11} "
         f"{'link':>6}"
@@ -624,13 +644,13 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         floor = nbytes / (floor_gbs * 1e9)
         report["layer"][f"floor/{n}"] = floor
         report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
-        modes = [*LAYER_MODES, "host", "kernel-publish", "graphs"]
+        modes = [*LAYER_MODES, "host", "kernel-publish", "graphs", "ffn-graph"]
         ms = {m: times[f"{m}/{n}"] * 1e3 for m in modes}
         spread = _spread(times, f"device/{n}")
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {ms['kernel-publish']:8.2f} "
-            f"{ms['graphs']:7.2f} {floor * 1e3:7.2f} "
+            f"{ms['graphs']:7.2f} {ms['ffn-graph']:9.2f} {floor * 1e3:7.2f} "
             f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11} "
             f"{nbytes / (NVLINK_GBS * 1e9) * 1e3:6.2f}"
         )
@@ -669,6 +689,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     for n in tokens:
         eager, graphed = f"kernel-publish/{n}", f"graphs/{n}"
+        both = f"ffn-graph/{n}"
         print(
             f"  {n:6d} {times[eager + '/dispatch_call'] * 1e6:19.1f} "
             f"{times[eager + '/combine_call'] * 1e6:9.1f} "
@@ -679,6 +700,18 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{times.get(graphed + '/captures', float('nan')):11.0f} "
             f"{times.get(graphed + '/capture_s', float('nan')) * 1e3:14.2f}"
         )
+        print(
+            f"  {'':>6} {'(ffn graph)':>19} {'':>9} "
+            f"{times[both + '/dispatch_call'] * 1e6:17.1f} "
+            f"{times[both + '/combine_call'] * 1e6:9.1f} "
+            f"{times[both] / times[eager]:22.2f} {'':>19} {_spread(times, both):>17}"
+        )
+    graph = report["ffn_graph"]
+    print(
+        f"\nthe FFN rank's serve loop as one CUDA graph ('ffn graph'): {graph['served']} items "
+        f"served in {graph['replays']} graph replays, {graph['capture_s'] * 1e3:.1f} ms to "
+        f"compile, warm up and capture it"
+    )
     return report
 
 

@@ -68,6 +68,8 @@ class Deployment:
     cam_dynamic_quant: bool = False
     exchange_graphs: int = 0
     """Token counts the attention ranks held as CUDA graphs of the exchange (0: eager)."""
+    ffn_graph: bool = False
+    """The FFN ranks served from one CUDA graph of serve steps."""
 
     @property
     def workload_name(self) -> str:

@@ -189,6 +189,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "second captures; 0: eager); --transport nvshmem only",
     )
     p.add_argument(
+        "--ffn-graph",
+        action="store_true",
+        help="FFN ranks on cuda: replay the whole serve loop (wait for any ready item on the "
+        "device, the experts, the reply) from one CUDA graph, so no host work sits between "
+        "an item's arrival and its reply; needs --backend triton, --transport nvshmem and "
+        "--shared attention",
+    )
+    p.add_argument(
         "--seed", type=int, default=DEFAULT.seed, help="seed for weights and the workload"
     )
     p.add_argument(

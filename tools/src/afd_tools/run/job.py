@@ -103,6 +103,9 @@ class RunJob:
     exchange_graphs: int = 0
     """Attention ranks: each MoE layer's dispatch and combine as CUDA-graph replays, up to
     this many token counts held (transports that have them: ``nvshmem``); 0: eager."""
+    ffn_graph: bool = False
+    """FFN ranks: the whole serve loop (take an item, the experts, the reply) replayed from
+    one CUDA graph (``afd_transport_nvshmem.graphed_ffn``; ``triton`` backend, ``nvshmem``)."""
     # seeds and limits
     seed: int = 0
     """Seeds the weights and the workload."""
@@ -146,6 +149,11 @@ class RunJob:
         ):
             raise WorkloadError(
                 f"--ffn-graph-buckets {self.ffn_graph_buckets}: row counts >= 1, e.g. 1024,8192"
+            )
+        if self.ffn_graph and self.ffn_graph_buckets is not None:
+            raise WorkloadError(
+                "--ffn-graph already replays the experts inside the serve loop's graph; drop "
+                "--ffn-graph-buckets"
             )
         if self.exchange_graphs < 0:
             raise WorkloadError(

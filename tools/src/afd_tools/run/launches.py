@@ -168,6 +168,7 @@ def _afd_launch(plan: RunPlan, progress: Connection) -> Launch:
                 "timeout": job.timeout,
                 "backend": job.backend,
                 "graph_buckets": job.ffn_graph_buckets,
+                "serve_graph": job.ffn_graph,
                 "device": placement.ffn[r],
                 "num_stages": job.stages,
             },

@@ -138,6 +138,15 @@ def _resolve(job: RunJob) -> tuple[RunJob, Placement]:
     job = dataclasses.replace(
         job, dtype=dtype, backend=backend, transport=job.transport or defaults["transport"]
     )
+    if job.ffn_graph and backend != "triton":
+        raise WorkloadError(
+            f"--ffn-graph replays the triton backend's kernels, but the FFN ranks' backend is "
+            f"{backend}: add --backend triton"
+        )
+    if job.ffn_graph and job.shared != SharedPlacement.ATTENTION.value:
+        raise WorkloadError(
+            "--ffn-graph serves routed experts only: use --shared attention (the default)"
+        )
     if job.ffn_graph_buckets is not None and backend != "triton":
         raise WorkloadError(
             f"--ffn-graph-buckets replays the triton backend's kernels, but the FFN ranks' "
@@ -163,6 +172,12 @@ def _check_transport_options(job: RunJob, transport: TransportSpec) -> None:
         able = [t.name for t in available_transports().values() if t.dynamic_quant]
         raise WorkloadError(
             f"--cam-dynamic-quant applies to --transport {' or '.join(able) or '(none here)'} only"
+        )
+    if job.ffn_graph and not transport.exchange_graphs:
+        able = [t.name for t in available_transports().values() if t.exchange_graphs]
+        raise WorkloadError(
+            f"--ffn-graph applies to --transport {' or '.join(able) or '(none here)'} only (the "
+            f"serve loop's kernels); drop it for --transport {transport.name}"
         )
     if job.exchange_graphs and not transport.exchange_graphs:
         able = [t.name for t in available_transports().values() if t.exchange_graphs]

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from afd_models import DeepseekConfig, FFNRoleExecutor
-from afd_protocol import Connection, EndpointOptions
+from afd_models import ConfigError, DeepseekConfig, FFNRoleExecutor
+from afd_protocol import Connection, EndpointOptions, freeze_heap
 from afd_tools.run.breakdown import Clock, ItemTimer
 from afd_tools.run.devices import random_weights, rank_device
 from afd_tools.run.replica import ModeResult, attention_replica, request_tokens
@@ -38,7 +38,11 @@ def ffn_rank(
     device: str = "cpu",
     num_stages: int = 1,
     graph_buckets: tuple[int, ...] | None = None,
+    serve_graph: bool = False,
 ) -> dict[str, Any]:
+    """Serve until every attention replica shut down; returns each item's ``(taken,
+    replied, replica, layer, device seconds)``. With ``serve_graph`` the serve loop itself is
+    one CUDA graph (:func:`_serve_from_a_graph`)."""
     slot = connection.layout
     where = rank_device(connection, device)
     executor = FFNRoleExecutor(
@@ -54,6 +58,8 @@ def ffn_rank(
     options = EndpointOptions(
         timeout=timeout, num_layers=config.num_hidden_layers, num_stages=num_stages
     )
+    if serve_graph:
+        return _serve_from_a_graph(connection, executor, options)
     # The one FFN rank program (shared with afd-vllm ffn): idle stretches (colocated mode,
     # sparse arrivals) are waited out; a dead peer still ends the loop with PeerAborted.
     # Each item's expert compute is timed on this rank's device, without the copies between
@@ -69,5 +75,34 @@ def ffn_rank(
         "intervals": [
             (r.taken, r.replied, r.replica, r.layer, s)
             for r, s in zip(stats.items, seconds, strict=True)
+        ]
+    }
+
+
+def _serve_from_a_graph(
+    connection: Connection, executor: FFNRoleExecutor, options: EndpointOptions
+) -> dict[str, Any]:
+    """``afd run --ffn-graph``: the FFN rank's serve loop replayed from one CUDA graph around
+    the executor's device expert step (``afd_transport_nvshmem.GraphedFFNServer``). An item's
+    time is from the host seeing it taken to the host seeing its reply published (both on
+    the device: no host work between them)."""
+    from afd_transport_nvshmem.graphed_ffn import ServeGraphOptions
+
+    make = getattr(connection, "graphed_ffn_server", None)
+    if make is None or executor.device != connection.device:
+        raise ConfigError(
+            f"--ffn-graph needs the NVSHMEM connection and the experts on its device "
+            f"({connection.device}); got {type(connection).__name__} and {executor.device}"
+        )
+    graph = ServeGraphOptions(served_layers=tuple(executor.config.moe_layers))
+    server = make(executor.device_expert_step(), options, graph)
+    freeze_heap()
+    try:
+        stats = server.serve(while_idle="wait")
+    finally:
+        server.close()
+    return {
+        "intervals": [
+            (r.taken, r.replied, r.replica, r.layer, r.replied - r.taken) for r in stats.items
         ]
     }

@@ -236,6 +236,13 @@ class WindowTransport(abc.ABC):
         seconds.
         """
 
+    def check_alive(self, peers: Sequence[int]) -> None:  # noqa: B027 - optional
+        """Raise :class:`~afd_protocol.core.errors.PeerAborted` when one of ``peers``
+        (opposite-role ranks) or this rank's launcher is gone. For a caller that waits on its
+        own (a device loop reading page-locked memory) rather than through :meth:`wait_any`,
+        which checks this itself; cheap enough to call every few milliseconds. Nothing to
+        check by default (in-process transports)."""
+
     @abc.abstractmethod
     def abort(self) -> None:
         """Tell every peer that this rank failed (sets its abort word in their windows)."""
