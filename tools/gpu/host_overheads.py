@@ -5,11 +5,19 @@ The per-layer benchmark shows the host, not the link, bounding small layers; thi
 the median host time of every call a dispatch, a reply and a combine make, so the
 expensive ones can be found without a profiler's own overhead in the way.
 Run (the GPU suite does): PYTHONPATH=packages/afd-protocol/src:packages/afd-transport-nvshmem/src:
-tools/src python3 tools/gpu/host_overheads.py
+tools/src python3 tools/gpu/host_overheads.py [--mps SHARE]
+
+``--mps SHARE`` runs the same table in a child process that is a client of a private CUDA
+MPS daemon with SHARE percent of the SMs (started and stopped here), beside the plain one:
+what each call costs a rank sharing the GPU, as the one-GPU benchmarks run.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import torch
@@ -44,6 +52,13 @@ def main() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         small.add_(1)
+    graphs = {}
+    for nodes in (5, 20, 80):
+        many = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(many):
+            for _ in range(nodes):
+                small.add_(1)
+        graphs[nodes] = many
     topo = Topology(1, 1, 64)
     ids = torch.rand(1024, 64, device=dev).topk(6, -1).indices
     keys = ids.reshape(-1)
@@ -66,6 +81,7 @@ def main() -> None:
         ("small.add_(1) (one kernel launch)", lambda: small.add_(1)),
         ("small copy_ D2D", lambda: small_dst.copy_(small)),
         ("CUDAGraph.replay (one kernel)", graph.replay),
+        *((f"CUDAGraph.replay ({n} kernels)", g.replay) for n, g in graphs.items()),
         ("torch.tensor(78 ints)", lambda: torch.tensor(words, dtype=torch.int32)),
         ("pageable H2D copy_ of 78 words", lambda: dest.copy_(word_tensor)),
         ("HeaderUpload.write", lambda: staging.write(dest, header, (0, 0))),
@@ -78,10 +94,27 @@ def main() -> None:
         ("plan_dispatch 1K x top-6 (one sync)", lambda: plan_dispatch(ids, topo)),
         ("torch.cuda.synchronize", torch.cuda.synchronize),
     ]
-    print(f"host time per call, median of 2000, {torch.cuda.get_device_name(dev)}")
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    where = f"as a CUDA MPS client at {share} %" if share else "alone on the GPU, no MPS"
+    print(f"host time per call, median of 2000, {torch.cuda.get_device_name(dev)}, {where}")
     for name, fn in rows:
         print(f"  {name:42s} {median_us(fn):8.1f} us")
 
 
+def under_mps(share: int) -> int:
+    """This table again in a child process that is an MPS client with ``share`` % of the SMs."""
+    from afd_transport_nvshmem.mps import MpsDaemon
+
+    with MpsDaemon.start() as daemon:
+        env = {**os.environ, **daemon.client_environment(share)}
+        return subprocess.run([sys.executable, __file__], env=env, check=False).returncode
+
+
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mps", type=int, metavar="SHARE", help="also as an MPS client")
+    args = parser.parse_args()
+    # The MPS client first, before this process holds a context of its own on the GPU.
+    code = under_mps(args.mps) if args.mps is not None else 0
     main()
+    sys.exit(code)
