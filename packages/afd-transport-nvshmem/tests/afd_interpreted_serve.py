@@ -44,7 +44,11 @@ from afd_protocol.window import (
     flag_words,
     slot_view,
 )
-from afd_transport_nvshmem.graphed_attention import replayed_calls
+from afd_transport_nvshmem.graphed_attention import (
+    GraphedAttentionEndpoint,
+    kernel_combine_wait,
+    replayed_calls,
+)
 from afd_transport_nvshmem.graphed_ffn import ExpertStep, GraphedFFNServer, ServeGraphOptions
 from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
 from afd_transport_nvshmem.kernel_specs import REFERENCE_KERNELS
@@ -173,16 +177,30 @@ def jobs_of(rounds: int, a: int, stages: int, experts: list[int] | None = None) 
     return out
 
 
-def run(layout: SlotLayout, jobs: list, graphed: bool, stages: int = 2):  # type: ignore[no-untyped-def]
+def attention_of(world: LoopbackWorld, rank: int, graphs: bool) -> KernelAttentionEndpoint:
+    """The kernel endpoint, or (``graphs``) the graphed one whose combine graphs hold the
+    Triton wait kernel (run by the interpreter, like the FFN side's kernels)."""
+    transport = world.transport(Role.ATTENTION, rank)
+    if not graphs:
+        return KernelAttentionEndpoint(transport, FAST, REFERENCE_KERNELS)
+    return GraphedAttentionEndpoint(
+        transport,
+        FAST,
+        REFERENCE_KERNELS,
+        capture=replayed_calls,
+        combine_wait=kernel_combine_wait,
+    )
+
+
+def run(
+    layout: SlotLayout, jobs: list, graphed: bool, stages: int = 2, attention_graphs: bool = False
+):  # type: ignore[no-untyped-def]
     """Every round: each attention rank dispatches its stages, the FFN ranks serve, the
     attention ranks combine. Returns (outputs in order, items served per FFN rank)."""
     topo = layout.topology
     world = LoopbackWorld(layout.window(ring_depth=stages))
     experts = AffineExperts()
-    attention = [
-        KernelAttentionEndpoint(world.transport(Role.ATTENTION, a), FAST, REFERENCE_KERNELS)
-        for a in range(topo.num_attention_ranks)
-    ]
+    attention = [attention_of(world, a, attention_graphs) for a in range(topo.num_attention_ranks)]
     from afd_transport_nvshmem.reduce_partials import triton_reduce_partials
 
     if graphed:
@@ -228,6 +246,26 @@ def test_replies_equal_the_eager_endpoint_bitwise(wire: str, reduce: str, a: int
     for server in servers:
         assert server.replays >= 1
         assert server.capture_seconds > 0
+
+
+@pytest.mark.parametrize(("wire", "reduce"), [FORMATS[0], FORMATS[2]])
+def test_both_sides_replayed_equal_the_eager_pair_bitwise(wire: str, reduce: str) -> None:
+    """The attention exchange replayed from graphs whose combine waits on the device (the
+    Triton wait kernel), the FFN loop from its graph: the same outputs as both eager."""
+    layout = layout_of(wire, reduce, a=1, f=1)
+    gen = torch.Generator().manual_seed(21)
+    jobs = [
+        [[(r % LAYERS, *random_routing(6, HIDDEN, TOPK, list(range(EXPERTS)), gen))]]
+        for r in range(5)
+    ]
+    eager, _, *_ = run(layout, jobs, graphed=False, stages=1)
+    both, served, _, _, attention = run(layout, jobs, graphed=True, stages=1, attention_graphs=True)
+    assert served == [5]
+    endpoint = attention[0]
+    assert isinstance(endpoint, GraphedAttentionEndpoint)
+    assert endpoint.graph_waits == endpoint.replays == 4  # one eager, then captured: 4 replays
+    for want, got in zip(eager, both, strict=True):
+        assert torch.equal(want, got)
 
 
 @pytest.mark.parametrize(("wire", "reduce"), FORMATS)

@@ -22,10 +22,20 @@ from test_kernel_endpoint_loopback import (
     route,
 )
 
-from afd_protocol import AFDError, InvalidArgument, Role
-from afd_protocol.window import LoopbackWorld, WindowFFNEndpoint, WindowOptions
+from afd_protocol import (
+    AFDError,
+    InvalidArgument,
+    PeerAborted,
+    PeerTimeout,
+    ProtocolError,
+    Role,
+    Word,
+    checksum,
+)
+from afd_protocol.window import LoopbackWorld, WindowFFNEndpoint, WindowOptions, slot_view
 from afd_transport_nvshmem.graphed_attention import (
     GraphedAttentionEndpoint,
+    PolledCombineWait,
     Replay,
     replayed_calls,
 )
@@ -313,3 +323,100 @@ def test_a_weight_dtype_change_at_a_captured_count_plans_its_own_batch() -> None
         expected = experts.reference(layer, x, ids, w.float(), False)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
     assert attention.replays == 2 * 2
+
+
+def polled_endpoint(world: LoopbackWorld) -> GraphedAttentionEndpoint:
+    """A graphed endpoint whose combine graphs hold their wait (the polled stand-in)."""
+    return GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0),
+        FAST,
+        REFERENCE_KERNELS,
+        capture=replayed_calls,
+        combine_wait=PolledCombineWait,
+    )
+
+
+@pytest.mark.parametrize(("wire", "reduce"), FORMATS)
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_combines_that_wait_inside_their_graph_equal_the_eager_endpoint_bitwise(
+    wire: str, reduce: str, shared: str
+) -> None:
+    """Every replayed dispatch is combined by one replay of a graph that waits for the
+    replies first; the outputs equal the eager endpoint's exactly."""
+    layout = layout_of(wire, reduce, a=1, f=3, tokens=32, shared=shared)
+    jobs = jobs_of([9] * 8 + [4] * 4, seed=100)
+    results = []
+    for graphed in (False, True):
+        world = LoopbackWorld(layout.window(ring_depth=2))
+        ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+        attention: KernelAttentionEndpoint
+        if graphed:
+            attention = polled_endpoint(world)
+        else:
+            attention = KernelAttentionEndpoint(
+                world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS
+            )
+        results.append(run_layers(world, attention, ffns, jobs, stages=2))
+        if graphed:
+            assert isinstance(attention, GraphedAttentionEndpoint)
+            assert attention.graph_waits == attention.replays == len(jobs) - 4
+        attention.close()
+    for eager, replayed in zip(*results, strict=True):
+        assert torch.equal(eager, replayed)
+
+
+def _replayed_in_flight(world: LoopbackWorld) -> tuple[GraphedAttentionEndpoint, Any, Any]:
+    """An endpoint whose third dispatch at 6 tokens replays its graphs, not yet answered."""
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    attention = polled_endpoint(world)
+    run_layers(world, attention, ffns, jobs_of([6, 6], seed=110), stages=1)
+    x, ids, w = route(6, 3, list(range(7)), 111)
+    handle = attention.dispatch(1, x, ids, w)
+    assert attention.replays == 2
+    return attention, handle, ffns
+
+
+def test_a_late_reply_replays_the_wait_until_the_timeout_and_the_combine_can_be_retried() -> None:
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    attention, handle, ffns = _replayed_in_flight(world)
+    wait = attention._wait
+    assert isinstance(wait, PolledCombineWait)
+    before = wait.launches
+    with pytest.raises(PeerTimeout, match=r"FFN ranks \[0, 1, 2\] did not reply to layer 1"):
+        attention.combine(handle, timeout=0.02)
+    assert wait.launches - before > 1  # the graph's wait ran out and was replayed
+    assert attention.in_flight == 1
+    experts = linear_experts(world, layers=8)
+    experts.drain(ffns)
+    x, ids, w = route(6, 3, list(range(7)), 111)
+    out = attention.combine(handle)
+    torch.testing.assert_close(
+        out.double(), experts.reference(1, x, ids, w, False), rtol=1e-5, atol=1e-4
+    )
+    assert attention.graph_waits == 2
+
+
+def test_an_aborted_ffn_rank_ends_a_graph_wait_naming_it() -> None:
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    attention, handle, _ = _replayed_in_flight(world)
+    world.transport(Role.FFN, 1).abort()
+    with pytest.raises(PeerAborted, match=r"FFN rank\(s\) \[1\] aborted"):
+        attention.combine(handle)
+
+
+def test_a_stale_reply_is_refused_after_the_graph_wait() -> None:
+    """The wait in the graph only sees flags; the host still checks every reply's header
+    before the output is returned."""
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    attention, handle, ffns = _replayed_in_flight(world)
+    linear_experts(world, layers=8).drain(ffns)
+    header = slot_view(world.windows[(Role.ATTENTION, 0)], world.window, 2, 0).header
+    words = header.tolist()
+    length = 14 + words[Word.NUM_COUNTS]
+    words[Word.ANSWER_SEQ] += 100
+    words[Word.CHECKSUM] = 0
+    crc = checksum(words[:length])
+    words[Word.CHECKSUM] = crc - (1 << 32) if crc >= 1 << 31 else crc
+    header[:length] = torch.tensor(words[:length], dtype=torch.int32)
+    with pytest.raises(ProtocolError, match="stale or misdirected reply from FFN rank 2"):
+        attention.combine(handle)

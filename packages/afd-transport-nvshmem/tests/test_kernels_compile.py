@@ -44,9 +44,8 @@ def test_the_device_wait_compiles_with_barriers_around_the_capture() -> None:
             "window_words": "*i32",
             "header_offsets": "*i64",
             "headers_out": "*i32",
-            "header_words": "i32",
         },
-        {"BLOCK": 8, "PEER_BLOCK": 2, "WORD_BLOCK": 128},
+        {"HEADER_WORDS": 78, "BLOCK": 8, "PEER_BLOCK": 2, "WORD_BLOCK": 128, "ALL": False},
     )
     ptx = compiled.asm["ptx"]
     assert "atom.global.sys.acquire" in ptx  # flag and abort-word polls

@@ -19,15 +19,25 @@ they cannot be torn. (The one exception is a shutdown announcement, which an FFN
 write into ring 0 while a reply there is unread; the attention rank then sees a shutdown
 or a checksum error, never a wrong answer.)
 
+With ``ALL`` set, the program waits instead until *every* watched flag differs from its
+value last seen: :class:`WaitBlock` launches it that way inside the graph of a combine
+(:mod:`afd_transport_nvshmem.graphed_attention`), so the combine kernel behind it starts the
+moment the last reply lands, with no host in between.
+
 ``pingpong`` is a persistent kernel for the latency benchmark: it bounces a flag between
 two GPUs N times without the host.
 """
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
+
+from afd_protocol import WindowLayout
 
 STATUS_CHANGED = 1
 STATUS_SLICE_OVER = 2
@@ -47,10 +57,11 @@ def _wait_any_kernel(
     window_words,
     header_offsets,
     headers_out,
-    header_words,
+    HEADER_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     PEER_BLOCK: tl.constexpr,
     WORD_BLOCK: tl.constexpr,
+    ALL: tl.constexpr,
 ):
     # The request lives in pinned host memory, written by the host before the launch:
     # [n, n_peers, max_polls, 0, indices[BLOCK], last_seen[BLOCK], peers[PEER_BLOCK]].
@@ -74,11 +85,8 @@ def _wait_any_kernel(
         abort = tl.atomic_add(aborts + pwhere, 0, mask=pmask, sem="acquire", scope="sys")
         aborted = tl.sum(tl.where(pmask & (abort != 0), 1, 0), axis=0)
         polls += 1
-        status = tl.where(
-            changed > 0,
-            1,
-            tl.where(aborted > 0, 3, tl.where(polls >= max_polls, 2, 0)),
-        )
+        done = changed == n if ALL else changed > 0
+        status = tl.where(done, 1, tl.where(aborted > 0, 3, tl.where(polls >= max_polls, 2, 0)))
     # Every thread's acquire load is done before any thread reads a header (and the status
     # is uniform: it comes from reductions), ...
     tl.debug_barrier()
@@ -86,11 +94,11 @@ def _wait_any_kernel(
     if status == 1:
         arrived = mask & (current != seen)
         base = tl.load(header_offsets + where, mask=arrived, other=0)
-        for w0 in range(0, header_words, WORD_BLOCK):
+        for w0 in range(0, HEADER_WORDS, WORD_BLOCK):
             words = w0 + tl.arange(0, WORD_BLOCK)
-            take = arrived[:, None] & (words < header_words)[None, :]
+            take = arrived[:, None] & (words < HEADER_WORDS)[None, :]
             tile = tl.load(window_words + base[:, None] + words[None, :], mask=take, volatile=True)
-            tl.store(headers_out + offs[:, None] * header_words + words[None, :], tile, mask=take)
+            tl.store(headers_out + offs[:, None] * HEADER_WORDS + words[None, :], tile, mask=take)
     # ... and every thread's stores of values and headers are done before the one thread
     # that publishes the status releases them to the host.
     tl.debug_barrier()
@@ -149,12 +157,13 @@ class DeviceWaiter:
             window_words,
             header_offsets,
             HostPointer(self.headers),
-            header_words,
         )
         self._meta = {
+            "HEADER_WORDS": header_words,
             "BLOCK": self.block,
             "PEER_BLOCK": self.peer_block,
             "WORD_BLOCK": min(128, triton.next_power_of_2(header_words)),
+            "ALL": False,
         }
         self.graph: torch.cuda.CUDAGraph | None = None
         # Compile (and run once, watching nothing with a budget of one poll) before
@@ -198,6 +207,107 @@ class DeviceWaiter:
 
     def values(self, n: int) -> list[int]:
         return [int(v) for v in self.out[:n].tolist()]
+
+    def header(self, position: int) -> torch.Tensor:
+        """A host copy of the header captured for watched position ``position``."""
+        return self.headers[position].clone()
+
+
+def header_offsets(window: WindowLayout, device: torch.device) -> torch.Tensor:
+    """int64 ``[regions * ring_depth]`` on ``device``: the int32-word offset of every slot's
+    header in a window (by flag index), what the wait kernel reads headers at."""
+    at = window.slot.field("header").offset
+    offsets = [
+        (window.slot_offset(*divmod(i, window.ring_depth)) + at) // 4
+        for i in range(window.num_regions * window.ring_depth)
+    ]
+    return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+
+class WaitBlock:
+    """A bounded device wait for *every* one of a set of this window's flags, to be captured
+    in a CUDA graph (the combine's: :mod:`afd_transport_nvshmem.graphed_attention`).
+
+    :meth:`write` puts the next wait's flags, their values last seen, the peers whose abort
+    words to watch and the poll budget into a request block; :meth:`launch` enqueues the
+    wait kernel (``ALL`` set) on the current stream, reading the request *when it runs*, so
+    a graph replays it with whatever was last written. When it ends it has written the flag
+    values, the header of every slot whose flag changed, and the status (1: all arrived, 2:
+    the poll budget was spent, 3: a watched peer aborted) to host-visible memory, which
+    :meth:`status`, :meth:`values` and :meth:`header` read. ``flags``, ``aborts`` and
+    ``window_words`` are the local window's (on a CUDA device, or on the CPU under Triton's
+    interpreter); the request and results are page-locked on a GPU.
+    """
+
+    def __init__(
+        self,
+        flags: torch.Tensor,
+        aborts: torch.Tensor,
+        window_words: torch.Tensor,
+        offsets: torch.Tensor,
+        header_words: int,
+        max_peers: int,
+    ) -> None:
+        on_gpu = flags.device.type == "cuda"
+        self.block = triton.next_power_of_2(max(1, offsets.numel()))
+        self.peer_block = triton.next_power_of_2(max(1, max_peers))
+        words = REQUEST_FIXED + 2 * self.block + self.peer_block
+        self.request = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
+        self.out = torch.zeros(self.block + 1, dtype=torch.int32, pin_memory=on_gpu)
+        self.headers = torch.zeros(self.block, header_words, dtype=torch.int32, pin_memory=on_gpu)
+        self._request = (ctypes.c_int32 * words).from_address(self.request.data_ptr())
+        self._out = (ctypes.c_int32 * (self.block + 1)).from_address(self.out.data_ptr())
+
+        def pointer(t: torch.Tensor) -> torch.Tensor | HostPointer:
+            return HostPointer(t) if on_gpu else t
+
+        self._args = (
+            flags,
+            aborts,
+            pointer(self.request),
+            pointer(self.out),
+            window_words,
+            offsets,
+            pointer(self.headers),
+        )
+        self._meta = {
+            "HEADER_WORDS": header_words,
+            "BLOCK": self.block,
+            "PEER_BLOCK": self.peer_block,
+            "WORD_BLOCK": min(128, triton.next_power_of_2(header_words)),
+            "ALL": True,
+        }
+
+    def write(
+        self, indices: Sequence[int], last: Sequence[int], peers: Sequence[int], polls: int
+    ) -> None:
+        """The next launch's wait; clears the status (call only once the last launch ended)."""
+        b = self.block
+        request = [len(indices), len(peers), polls, 0]
+        request += list(indices) + [0] * (b - len(indices))
+        request += list(last) + [0] * (b - len(last))
+        request += list(peers) + [0] * (self.peer_block - len(peers))
+        self._request[:] = request
+        self._out[b] = 0
+
+    def launch(self) -> None:
+        """Enqueue the wait on the current stream (capturable)."""
+        _wait_any_kernel[(1,)](*self._args, **self._meta)
+
+    def prepare(self) -> None:
+        """Compile and load the kernel (a wait for nothing, one poll) before any capture."""
+        self.write((), (), (), 1)
+        self.launch()
+        if self.out.is_pinned():
+            torch.cuda.synchronize(self.out.device if self.out.is_cuda else None)
+
+    def status(self) -> int:
+        """0 while the wait runs, then 1 (all arrived), 2 (budget spent) or 3 (aborted)."""
+        return int(self._out[self.block])
+
+    def values(self, n: int) -> list[int]:
+        """The first ``n`` watched flags' values, as the wait last saw them."""
+        return list(self._out[:n])
 
     def header(self, position: int) -> torch.Tensor:
         """A host copy of the header captured for watched position ``position``."""

@@ -21,10 +21,19 @@ a (token count, ring) runs eagerly (it compiles and loads every kernel, which a 
 cannot), the second captures both graphs (the first was combined before the ring was
 free again); at most ``max_token_counts`` counts are held (least
 recently used dropped). The combine replays its graph and returns a copy of the graph's
-output (the next replay of the same graph overwrites it). Waits are unchanged: the
-transport's bounded device wait (already a graph replay with a poll budget and the abort
-check), between which the host checks the peers, so a killed peer is a named error
-within the timeout as before.
+output (the next replay of the same graph overwrites it).
+
+The wait for the replies is part of the combine graph (``combine_wait``, on a CUDA device
+by default): a bounded device wait for *every* expected reply
+(:class:`~afd_transport_nvshmem.device_wait.WaitBlock`) runs right before the fused
+combine, so the combine starts the moment the last reply lands, with no host reaction in
+between; ``combine()`` enqueues it (and the copy of the output) and then checks, on the
+host, the status and every reply's header the wait captured -- the output is returned
+only when all of them are right, so an error is still raised by the ``combine`` it
+concerns. A wait whose poll budget ran out is replayed again (its output discarded); a
+watched FFN rank that aborted or died is a named error within the timeout (the host checks
+the peers while it reads the status). Without a combine wait, the transport's own bounded
+device wait runs first, as for the eager endpoint.
 
 Outputs equal the eager kernel endpoint's exactly: the same kernels run on the same
 values. A dispatch the device pack cannot take (too many rows for a slot) runs eagerly.
@@ -41,9 +50,9 @@ import ctypes
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -51,17 +60,134 @@ from afd_protocol import (
     HEADER_FIXED_WORDS,
     AFDError,
     DevicePlan,
+    DispatchHandle,
     EndpointOptions,
+    PeerAborted,
+    PeerTimeout,
     WireOrder,
     check_expert_bounds,
     keeping_constants,
     plan_on_device,
 )
-from afd_protocol.window import PublishBlock, WindowDispatch, WindowTransport
+from afd_protocol.window import (
+    Arrivals,
+    PublishBlock,
+    WindowDispatch,
+    WindowTransport,
+    abort_words,
+    flag_words,
+    slot_view,
+)
 from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint, fixed_words
 from afd_transport_nvshmem.kernel_specs import WindowKernels
 
 _T = TypeVar("_T")
+
+WAIT_POLLS = 20000
+"""Device polls of one combine wait before it gives up and is replayed (about 10-20 ms)."""
+LIVENESS_INTERVAL = 0.05
+"""Seconds between the host's checks of the peers while a combine's wait runs."""
+_ABANDONED_WAITS: list[object] = []
+"""Combine waits whose kernel may still write their host buffers (kept for the process)."""
+
+
+class CombineWait(Protocol):
+    """A bounded wait for every expected reply, that a combine graph holds before its
+    kernel: :class:`~afd_transport_nvshmem.device_wait.WaitBlock` on a GPU;
+    :class:`PolledCombineWait` stands in for it in CPU tests."""
+
+    def write(
+        self, indices: Sequence[int], last: Sequence[int], peers: Sequence[int], polls: int
+    ) -> None: ...
+
+    def launch(self) -> None: ...
+
+    def prepare(self) -> None: ...
+
+    def status(self) -> int: ...
+
+    def values(self, n: int) -> list[int]: ...
+
+    def header(self, position: int) -> torch.Tensor: ...
+
+
+CombineWaitFactory = Callable[[WindowTransport], "CombineWait | None"]
+"""Makes an endpoint's combine wait over a transport's local window (None: the host waits)."""
+
+
+def device_combine_wait(transport: WindowTransport) -> CombineWait | None:
+    """:func:`kernel_combine_wait` on a CUDA device; None on the CPU (whose endpoints wait
+    on the host)."""
+    return kernel_combine_wait(transport) if transport.device.type == "cuda" else None
+
+
+def kernel_combine_wait(transport: WindowTransport) -> CombineWait:
+    """The device wait kernel over ``transport``'s local window (on the CPU it runs only
+    under Triton's interpreter)."""
+    from afd_transport_nvshmem.device_wait import WaitBlock, header_offsets
+
+    window = transport.window
+    local = transport.local_window()
+    return WaitBlock(
+        flag_words(local, window),
+        abort_words(local, window),
+        local[: window.total_bytes // 4 * 4].view(torch.int32),
+        header_offsets(window, transport.device),
+        window.slot.header_words,
+        transport.num_peers,
+    )
+
+
+class PolledCombineWait:
+    """:class:`CombineWait` for tests on the CPU: each :meth:`launch` (a replay under
+    :func:`replayed_calls`) looks at the flags once -- all changed, a watched abort word
+    set, or not yet -- and captures the changed slots' headers, as the device wait does."""
+
+    def __init__(self, transport: WindowTransport) -> None:
+        window = transport.window
+        local = transport.local_window()
+        self._flags = flag_words(local, window)
+        self._aborts = abort_words(local, window)
+        self._headers = [
+            slot_view(local, window, *divmod(i, window.ring_depth)).header
+            for i in range(window.num_regions * window.ring_depth)
+        ]
+        self._request: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._status = 0
+        self._values: list[int] = []
+        self._captured: list[torch.Tensor] = []
+        self.launches = 0
+
+    def write(
+        self, indices: Sequence[int], last: Sequence[int], peers: Sequence[int], polls: int
+    ) -> None:
+        self._request = (list(indices), list(last), list(peers))
+        self._status = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+        indices, last, peers = self._request
+        self._values = [int(self._flags[i]) for i in indices]
+        if all(v != old for v, old in zip(self._values, last, strict=True)):
+            self._captured = [self._headers[i].clone() for i in indices]
+            self._status = 1
+        elif any(int(self._aborts[p]) for p in peers):
+            self._status = 3
+        else:
+            self._status = 2
+
+    def prepare(self) -> None:
+        """Nothing to load."""
+
+    def status(self) -> int:
+        return self._status
+
+    def values(self, n: int) -> list[int]:
+        return self._values[:n]
+
+    def header(self, position: int) -> torch.Tensor:
+        return self._captured[position]
+
 
 Replay = Callable[[], None]
 GraphCapture = Callable[[Callable[[], Any]], tuple[Replay, Any]]
@@ -173,6 +299,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         kernels: WindowKernels,
         max_token_counts: int = 8,
         capture: GraphCapture | None = None,
+        combine_wait: CombineWaitFactory | None = device_combine_wait,
     ) -> None:
         if max_token_counts < 1:
             raise ValueError(
@@ -193,6 +320,11 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         """Graphs captured (dispatch and combine count one each)."""
         self.capture_seconds = 0.0
         """Host time spent capturing them (and instantiating: what a new count costs)."""
+        self.graph_waits = 0
+        """Combines whose wait ran inside their graph (the rest waited on the host first)."""
+        self._wait = None if combine_wait is None else combine_wait(transport)
+        if self._wait is not None:
+            self._wait.prepare()
         super().__init__(transport, options, kernels)
         if self._pack is None:
             self.close()  # the window is free for another endpoint
@@ -326,12 +458,103 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
     # ---- combine ------------------------------------------------------------------------
 
-    def _combine_arrived(self, handle: WindowDispatch) -> torch.Tensor:
+    def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
+        """See the base; a replayed dispatch is waited for and combined by one graph replay
+        (module docstring) when this endpoint has a combine wait."""
+        entry = self._replayed.get(handle.ring) if isinstance(handle, WindowDispatch) else None
+        wait = self._wait
+        if (
+            wait is None
+            or entry is None
+            or entry.combine is None
+            or not isinstance(handle, WindowDispatch)
+            or handle.plan is not entry.plan
+            or handle.arrived
+            or self._in_flight.get(handle.ring) is not handle
+        ):
+            return super().combine(handle, timeout)
+        self._check_open()
+        output = self._wait_and_combine(
+            handle, entry, wait, self._timeout if timeout is None else timeout
+        )
+        self._release(handle.ring)
+        return output
+
+    def _wait_and_combine(
+        self, handle: WindowDispatch, entry: _LayerGraphs, wait: CombineWait, limit: float
+    ) -> torch.Tensor:
+        """Replay the combine graph (its wait, then its kernel) until the wait saw every
+        reply, then check the replies on the host; the graph's output, copied."""
+        assert entry.combine is not None
+        assert entry.combine_out is not None
         ring = handle.ring
-        entry = self._replayed.get(ring)
-        if entry is None or handle.plan is not entry.plan:
-            return super()._combine_arrived(handle)  # an eager dispatch
-        # The entry stays until the combine succeeded: a failed combine may be retried.
+        dests = sorted(handle.expected)
+        indices = [self._window.flag_index(d, ring) for d in dests]
+        seen = self._transport.seen
+        last = [seen[i] for i in indices]
+        deadline = time.monotonic() + limit
+        while True:
+            wait.write(indices, last, dests, WAIT_POLLS)
+            entry.combine()
+            output = entry.combine_out.clone()
+            status = self._await_wait(wait, dests, deadline, limit)
+            if status == 1:
+                break
+            if status == 3:
+                aborted = abort_words(self._transport.local_window(), self._window).tolist()
+                raise PeerAborted(
+                    f"attention rank {self._rank}: FFN rank(s) "
+                    f"{[d for d in dests if aborted[d]]} aborted (see their own error for the "
+                    f"cause)"
+                )
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(
+                    f"attention rank {self._rank}: FFN ranks {dests} did not reply to layer "
+                    f"{handle.layer} stage {handle.stage} within {limit:g} s; they may be dead "
+                    f"or overloaded (raise the timeout if they are merely slow)"
+                )
+        values = wait.values(len(indices))
+        arrivals = Arrivals(values, {i: wait.header(p) for p, i in enumerate(indices)})
+        for dest, index, value in zip(dests, indices, values, strict=True):
+            seen[index] = value
+            handle.arrived[dest] = self._check_reply(
+                dest, arrivals, value, handle.expected[dest], handle
+            )
+        self._check_bounds(entry, ring)
+        del self._replayed[ring]
+        self.graph_waits += 1
+        return output
+
+    def _await_wait(
+        self, wait: CombineWait, dests: list[int], deadline: float, limit: float
+    ) -> int:
+        """Spin on the wait's status, checking the peers every :data:`LIVENESS_INTERVAL`."""
+        next_check = time.monotonic() + LIVENESS_INTERVAL
+        try:
+            status = wait.status()
+            while status == 0:
+                now = time.monotonic()
+                if now >= next_check:
+                    self._transport.check_alive(dests)
+                    next_check = now + LIVENESS_INTERVAL
+                if now >= deadline + 1.0:
+                    raise PeerTimeout(
+                        f"attention rank {self._rank}: the combine's device wait did not "
+                        f"report within {limit:g} s"
+                    )
+                status = wait.status()
+        except BaseException:
+            if wait.status() == 0:
+                # Its kernel may still write the wait's buffers: keep them; no graph holding
+                # it runs again, and later combines wait on the host.
+                _ABANDONED_WAITS.append(wait)
+                self._wait = None
+                self._graphs.clear()
+            raise
+        return status
+
+    def _check_bounds(self, entry: _LayerGraphs, ring: int) -> None:
+        """The expert-id range check of a replayed dispatch (read back behind its pack)."""
         if entry.bounds_ready is not None and not entry.bounds_ready.query():
             entry.bounds_ready.synchronize()
         low, high = (int(v) for v in entry.bounds_host.tolist())
@@ -339,6 +562,14 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             del self._replayed[ring]
             self._release(ring)
             check_expert_bounds(low, high, self._topology.num_experts)
+
+    def _combine_arrived(self, handle: WindowDispatch) -> torch.Tensor:
+        ring = handle.ring
+        entry = self._replayed.get(ring)
+        if entry is None or handle.plan is not entry.plan:
+            return super()._combine_arrived(handle)  # an eager dispatch
+        # The entry stays until the combine succeeded: a failed combine may be retried.
+        self._check_bounds(entry, ring)
         assert entry.combine is not None
         assert entry.combine_out is not None
         entry.combine()
@@ -364,7 +595,11 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             segments, weights = plan.segment_offsets, entry.topk_weights
         inputs = self._combine_inputs(ring, segments, entry.wire_position, weights, dtype)
 
+        wait = self._wait
+
         def body() -> torch.Tensor:
+            if wait is not None:
+                wait.launch()  # every expected reply, then at once the combine
             return self._kernels.fused_combine(inputs)
 
         try:

@@ -270,20 +270,14 @@ class NvshmemTransport(WindowTransport):
         return "device" if self._waiter is not None else "host"
 
     def _new_waiter(self) -> DeviceWaiter:
-        from afd_transport_nvshmem.device_wait import DeviceWaiter
+        from afd_transport_nvshmem.device_wait import DeviceWaiter, header_offsets
 
         window = self.window
-        slots = window.num_regions * window.ring_depth
-        header_at = window.slot.field("header").offset
-        offsets = [
-            (window.slot_offset(*divmod(i, window.ring_depth)) + header_at) // 4
-            for i in range(slots)
-        ]
         return DeviceWaiter(
             self._flags,
             self._aborts,
             self._local[: window.total_bytes // 4 * 4].view(torch.int32),
-            torch.tensor(offsets, dtype=torch.int64, device=self._device),
+            header_offsets(window, self._device),
             window.slot.header_words,
             max_peers=self.num_peers,
             use_graph=self.options.wait_graph,
