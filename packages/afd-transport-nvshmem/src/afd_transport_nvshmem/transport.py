@@ -99,7 +99,10 @@ from afd_transport_nvshmem.cuda_memory import (
     stream_memops_available,
     stream_write_value32,
 )
-from afd_transport_nvshmem.graphed_attention import GraphedAttentionEndpoint
+from afd_transport_nvshmem.graphed_attention import (
+    GraphedAttentionEndpoint,
+    device_combine_wait,
+)
 from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint, KernelWindowConnection
 from afd_transport_nvshmem.kernel_specs import WindowKernels
 from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
@@ -489,9 +492,17 @@ class NvshmemConnection(KernelWindowConnection):
         return super().attention_endpoint(options)
 
     def graphed_attention_endpoint(
-        self, options: EndpointOptions | None = None, max_token_counts: int = 8
+        self,
+        options: EndpointOptions | None = None,
+        max_token_counts: int = 8,
+        wait_in_graph: bool = True,
     ) -> GraphedAttentionEndpoint:
         """This attention rank's endpoint with its exchange replayed from CUDA graphs, up to
-        ``max_token_counts`` token counts held (whatever the transport's options say)."""
+        ``max_token_counts`` token counts held (whatever the transport's options say);
+        ``wait_in_graph``: each combine graph waits for its replies on the device (False:
+        the host waits first, then replays the combine)."""
         kernels = self.endpoint_kernels()
-        return GraphedAttentionEndpoint(self.transport, options, kernels, max_token_counts)
+        wait = device_combine_wait if wait_in_graph else None
+        return GraphedAttentionEndpoint(
+            self.transport, options, kernels, max_token_counts, combine_wait=wait
+        )

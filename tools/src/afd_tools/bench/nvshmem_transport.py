@@ -119,7 +119,7 @@ KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
 packed dispatch)."""
 PROFILED_MODES = ("device", "graphs")
 """The modes ``--profile`` profiles on the attention side (one file each)."""
-GRAPHED_MODES = frozenset({"graphs", "ffn-graph"})
+GRAPHED_MODES = frozenset({"graphs", "ffn-graph", "graphs-host-wait"})
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
 of the NVSHMEM connection): 'graphs' in the kernel-publish launch, beside 'kern pub';
 'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too."""
@@ -336,9 +336,11 @@ def _layer_attention(
 
 
 def _endpoint(connection: WindowConnection, mode: str, options: WindowOptions) -> Any:
-    """The attention endpoint of ``mode``: graph-replayed for :data:`GRAPHED_MODES`."""
+    """The attention endpoint of ``mode``: graph-replayed for :data:`GRAPHED_MODES` (with
+    the replies waited for inside the combine graph, but in 'graphs-host-wait')."""
     if mode in GRAPHED_MODES:
-        return connection.graphed_attention_endpoint(options)  # type: ignore[attr-defined]
+        make = connection.graphed_attention_endpoint  # type: ignore[attr-defined]
+        return make(options, wait_in_graph=mode != "graphs-host-wait")
     return connection.attention_endpoint(options)
 
 
@@ -581,7 +583,11 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         specs[0],
         kwargs={
             **specs[0].kwargs,
-            "modes": {"kernel-publish": KERNEL_PUBLISH_MODE, "graphs": KERNEL_PUBLISH_MODE},
+            "modes": {
+                "kernel-publish": KERNEL_PUBLISH_MODE,
+                "graphs": KERNEL_PUBLISH_MODE,
+                "graphs-host-wait": KERNEL_PUBLISH_MODE,
+            },
             "profile": None if profile is None else str(profile),
         },
     )
@@ -623,7 +629,9 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         f"of its own: host polls are a transport option); 'kern pub' = 'dev pack' with every "
         f"flag set by one publish kernel (a launch of its own, the transport option "
         f"publish='kernel'); 'graphs' = 'kern pub' with dispatch and combine replayed from "
-        f"CUDA graphs (interleaved with 'kern pub' in that launch); 'ffn graph' = 'graphs' "
+        f"CUDA graphs, each combine graph waiting for its replies on the device ('host "
+        f"wait': the host waits, then replays the combine; both interleaved with 'kern pub' "
+        f"in that launch); 'ffn graph' = 'graphs' "
         f"with the FFN rank's serve loop replayed from one CUDA graph too (a launch of its "
         f"own). 'floor' = the rows there "
         f"and back at "
@@ -633,7 +641,8 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
-        f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'ffn graph':>9} {'floor':>7} "
+        f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'host wait':>9} {'ffn graph':>9} "
+        f"{'floor':>7} "
         f"{'floor/device':>12} "
         f"{'host/device':>11} "
         f"{'p10-p90':>11} "
@@ -644,13 +653,14 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         floor = nbytes / (floor_gbs * 1e9)
         report["layer"][f"floor/{n}"] = floor
         report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
-        modes = [*LAYER_MODES, "host", "kernel-publish", "graphs", "ffn-graph"]
+        modes = [*LAYER_MODES, "host", "kernel-publish", "graphs", "graphs-host-wait", "ffn-graph"]
         ms = {m: times[f"{m}/{n}"] * 1e3 for m in modes}
         spread = _spread(times, f"device/{n}")
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {ms['kernel-publish']:8.2f} "
-            f"{ms['graphs']:7.2f} {ms['ffn-graph']:9.2f} {floor * 1e3:7.2f} "
+            f"{ms['graphs']:7.2f} {ms['graphs-host-wait']:9.2f} {ms['ffn-graph']:9.2f} "
+            f"{floor * 1e3:7.2f} "
             f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11} "
             f"{nbytes / (NVLINK_GBS * 1e9) * 1e3:6.2f}"
         )
@@ -699,6 +709,13 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{_spread(times, eager):>19} {_spread(times, graphed):>17} "
             f"{times.get(graphed + '/captures', float('nan')):11.0f} "
             f"{times.get(graphed + '/capture_s', float('nan')) * 1e3:14.2f}"
+        )
+        host_wait = f"graphs-host-wait/{n}"
+        print(
+            f"  {'':>6} {'(host wait)':>19} {'':>9} "
+            f"{times[host_wait + '/dispatch_call'] * 1e6:17.1f} "
+            f"{times[host_wait + '/combine_call'] * 1e6:9.1f} "
+            f"{times[host_wait] / times[eager]:22.2f} {'':>19} {_spread(times, host_wait):>17}"
         )
         print(
             f"  {'':>6} {'(ffn graph)':>19} {'':>9} "
