@@ -335,6 +335,26 @@ def test_an_aborted_attention_rank_is_named() -> None:
         server.serve(while_idle="wait")
 
 
+def test_a_dead_attention_rank_is_named_once_an_idle_slice_confirms_it() -> None:
+    """The liveness check says attention rank 0 exited: the loop does not believe it until
+    a whole poll slice saw nothing new from it (it may have sent its last items and exited),
+    then raises PeerAborted naming it -- long before the timeout."""
+    layout = layout_of("per_rank", "ffn")
+    world = LoopbackWorld(layout.window(ring_depth=1))
+    server = server_of(world, 0, AffineExperts())
+    transport = server._transport
+    checks = []
+
+    def dead(peers: Sequence[int]) -> None:
+        checks.append(list(peers))
+        raise PeerAborted("attention rank 0 (pid 4242) exited")
+
+    transport.check_alive = dead  # type: ignore[method-assign]
+    with pytest.raises(PeerAborted, match=r"attention rank 0 \(pid 4242\) exited"):
+        server.serve(while_idle="wait", timeout=30.0)
+    assert checks[0] == [0]
+
+
 def test_nothing_arriving_raises_after_the_timeout() -> None:
     layout = layout_of("per_choice", "attention")
     world = LoopbackWorld(layout.window(ring_depth=1))

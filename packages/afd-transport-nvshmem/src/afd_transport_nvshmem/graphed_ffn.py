@@ -82,6 +82,11 @@ docstring): capturable, no host read, the output in the rows' dtype."""
 WhileIdle = Literal["raise", "wait", "return"]
 POLL_SLICE = 20000
 """Device polls per wait (about 10-20 ms on an H200); between them the host checks peers."""
+SUSPECT_GRACE = 2.0
+"""Seconds a liveness failure may go unconfirmed by an idle slice before it is raised (time
+for the device to take what the dead rank sent last: its shutdown, behind one step)."""
+DRAIN_LIMIT = 5.0
+"""Seconds the replays in flight get to stop once the host set the stop word."""
 GATHER_ROWS = 8
 EXPAND_ROWS = 256
 BLOCK_H = 1024
@@ -489,8 +494,14 @@ class GraphedFFNServer:
         loop = _Loop(self, stats, while_idle, limit)
         try:
             loop.run()
-        finally:
+        except BaseException:
             loop.drain()
+            raise
+        if not loop.drain():
+            raise PeerTimeout(
+                f"FFN rank {self.rank}: the serve graph did not stop within {DRAIN_LIMIT:g} s "
+                f"(a stalled GPU); this server serves no more"
+            )
         return stats
 
     @property
@@ -580,8 +591,11 @@ class _Loop:
             server._enqueue()
         while True:
             words, taken, replied = self._next(time.monotonic() + self.limit)
+            # Past the record before acting on it: an error it raises leaves the cursor on
+            # the next record, which is what the drain reads.
+            replay_done = self._advance()
             done = self._handle(words, taken, replied)
-            if self._advance() and not done:
+            if replay_done and not done:
                 server._enqueue()
             if done:
                 return
@@ -667,15 +681,16 @@ class _Loop:
         interval = server.graph_options.liveness_interval
         peers = [a for a in range(server._num_attention) if a not in server._finished]
         while True:
+            # The peers first, also when records are ready as fast as they are read.
+            now = time.monotonic()
+            if now >= self.next_liveness:
+                self._check_alive(peers)
+                self.next_liveness = now + interval
             if taken == 0.0 and server._record_word(index, kernels.R_CODE) != 0:
                 taken = time.monotonic()
             if server._record_word(index, kernels.R_DONE) != 0:
                 replied = time.monotonic()
                 return server._take_record(index), taken or replied, replied
-            now = time.monotonic()
-            if now >= self.next_liveness:
-                self._check_alive(peers)
-                self.next_liveness = now + interval
             if now > deadline:
                 raise PeerTimeout(
                     f"FFN rank {server.rank}: the serve graph wrote no record in "
@@ -684,26 +699,28 @@ class _Loop:
 
     def _check_alive(self, peers: list[int]) -> None:
         """Note a dead attention rank rather than raise at once: it may have published its
-        last items and its shutdown and exited before the device took them. The next idle
-        record (a whole poll slice with nothing new) or the timeout confirms it."""
+        shutdown and exited before the device took it. The next idle record (a whole poll
+        slice with nothing new) confirms it, or :data:`SUSPECT_GRACE` seconds of it (the
+        device may make no progress at all meanwhile)."""
         try:
             self.server._transport.check_alive(peers)
         except PeerAborted as exc:
             if self.suspect is None:
                 self.suspect = (exc, time.monotonic())
-            elif time.monotonic() - self.suspect[1] > self.limit:
+            elif time.monotonic() - self.suspect[1] > min(SUSPECT_GRACE, self.limit):
                 raise self.suspect[0] from None
         else:
             self.suspect = None
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
         """Stop the device loop (the stop word in page-locked memory), read the records of
         the replays still in flight -- an item served meanwhile is recorded -- and hand the
         sequence numbers and the flags last seen back to the transport. A graph that does not
-        stop within the timeout is abandoned: its buffers are kept for the process's life."""
+        stop within :data:`DRAIN_LIMIT` is abandoned: its buffers are kept for the process's
+        life, and the server serves no more."""
         server = self.server
         server._control_memory[0] = 1
-        deadline = time.monotonic() + max(self.limit, 1.0)
+        deadline = time.monotonic() + DRAIN_LIMIT
         try:
             while server._in_flight:
                 index = server._cursor
@@ -711,7 +728,8 @@ class _Loop:
                     if time.monotonic() > deadline:
                         _ABANDONED.append(server.__dict__.copy())
                         server._in_flight = 0
-                        return
+                        server._closed = True  # the window stays bound: nothing else uses it
+                        return False
                 now = time.monotonic()
                 words = server._take_record(index)
                 code = words[kernels.R_CODE]
@@ -727,6 +745,7 @@ class _Loop:
         for index in range(server._num_slots):
             server._transport.seen[index] = int(state[index])
         server._transport.sequence.last = int(state[server._slot_block + kernels.S_SEQ])
+        return True
 
 
 def _pointer(tensor: torch.Tensor, pinned: bool) -> Any:
