@@ -225,3 +225,33 @@ def test_ffn_graph_buckets_need_the_triton_backend_and_whole_row_counts(
     with pytest.raises(SystemExit):
         _parsed("--ffn-graph-buckets", "64,x")
     assert "'64,x': comma-separated row counts >= 1, e.g. 1024,8192" in capsys.readouterr().err
+
+
+FAST_PATH = Path(__file__).resolve().parents[1] / "gpu" / "fast-path"
+
+
+def test_every_variant_of_the_gpu_fast_path_script_is_a_valid_afd_run() -> None:
+    """tools/gpu/fast-path's afd run command lines (its base array and each variant's
+    extra options) parse into jobs afd run accepts, so a renamed option fails here, not on a
+    GPU."""
+    import re
+
+    text = FAST_PATH.read_text().replace("\\\n", " ")
+    base = shlex.split(re.search(r"^base=\((.*?)\)$", text, re.M | re.S).group(1))  # type: ignore[union-attr]
+    base = [w for w in base if w != '"${share[@]}"' and w != "${share[@]}"] + ["--share-gpus"]
+    variants = dict(re.findall(r"^\s*(\w+)\) extra=\((.*)\) ;;$", text, re.M))
+    assert set(variants) == {"eager", "graphs", "both"}
+    jobs = {v: job_from_args(_parsed(*base, *shlex.split(extra))) for v, extra in variants.items()}
+    assert jobs["both"].ffn_graph
+    assert jobs["both"].exchange_graphs == jobs["graphs"].exchange_graphs == 8
+    assert not jobs["eager"].ffn_graph
+    assert not jobs["eager"].exchange_graphs
+    assert {j.backend for j in jobs.values()} == {"triton"}
+
+
+def test_the_gpu_fast_path_script_refuses_an_unknown_variant() -> None:
+    import subprocess
+
+    wrong = subprocess.run(["bash", str(FAST_PATH), "fastest"], capture_output=True, text=True)
+    assert wrong.returncode == 2
+    assert "unknown variant 'fastest' (eager, graphs or both)" in wrong.stderr
