@@ -174,7 +174,9 @@ def ffn_graphed(
 ) -> dict[str, Any]:
     """Serve with :class:`GraphedFFNServer` (or, with ``eager``, the window FFN endpoint
     and the same expert step on each item's grouped rows) until every attention rank shut
-    down; ``experts``: ``linear`` (:class:`LinearExperts`) or ``affine``."""
+    down; ``experts``: ``linear`` (:class:`LinearExperts`) or ``affine``. With
+    ``AFD_DEBUG_DUMP=S`` in the environment the rank prints every thread's stack to stderr
+    after S seconds (to see where a hang sits; run pytest with ``-s``)."""
     from afd_transport_nvshmem.graphed_ffn import ServeGraphOptions
 
     device = connection.device
@@ -198,6 +200,11 @@ def ffn_graphed(
 
         return {"served": len(serve(ep, compute).items)}
     graph = ServeGraphOptions(steps_per_graph=steps_per_graph)
+    if os.environ.get("AFD_DEBUG_DUMP"):
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(float(os.environ["AFD_DEBUG_DUMP"]), file=sys.stderr)
     server = connection.graphed_ffn_server(step, options, graph)  # type: ignore[attr-defined]
     stats = server.serve()
     server.close()
