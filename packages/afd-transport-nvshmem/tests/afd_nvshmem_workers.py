@@ -234,9 +234,15 @@ def attention_jobs(
 
     With ``check_no_sync``, ``combine`` runs with CUDA's sync debug mode set to "error";
     ``device_pack`` is the endpoint option (None: the default); ``die_after``: SIGKILL
-    this process after that many combines.
+    this process after that many combines. With ``AFD_DEBUG_DUMP=S`` in the environment the
+    rank prints every thread's stack to stderr after S seconds (to see where a hang sits).
     """
     slot = connection.layout
+    if os.environ.get("AFD_DEBUG_DUMP"):
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(float(os.environ["AFD_DEBUG_DUMP"]), file=sys.stderr)
     ep = connection.attention_endpoint(WindowOptions(timeout=60.0, device_pack=device_pack))
     experts = _experts(connection, layers, seed)
     gen = torch.Generator().manual_seed(seed + 7)

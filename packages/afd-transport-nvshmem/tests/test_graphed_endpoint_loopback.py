@@ -8,6 +8,7 @@ least-recently-used bound; the fallbacks. (CUDA graphs themselves: the GPU test.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -420,3 +421,23 @@ def test_a_stale_reply_is_refused_after_the_graph_wait() -> None:
     header[:length] = torch.tensor(words[:length], dtype=torch.int32)
     with pytest.raises(ProtocolError, match="stale or misdirected reply from FFN rank 2"):
         attention.combine(handle)
+
+
+def test_a_dead_ffn_rank_is_named_while_the_graph_wait_is_replayed_slice_after_slice() -> None:
+    """Each slice of the wait ends at once (nothing arrived), far faster than the liveness
+    interval: the peers are still checked on one clock across slices, so a dead FFN rank is
+    a PeerAborted within a fraction of a second, not a PeerTimeout after the timeout."""
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    attention, handle, _ = _replayed_in_flight(world)
+    checks: list[list[int]] = []
+
+    def dead(peers: Any) -> None:
+        checks.append(list(peers))
+        raise PeerAborted("ffn rank 2 (pid 4242) exited")
+
+    attention._transport.check_alive = dead  # type: ignore[method-assign]
+    started = time.monotonic()
+    with pytest.raises(PeerAborted, match=r"ffn rank 2 \(pid 4242\) exited"):
+        attention.combine(handle, timeout=30.0)
+    assert time.monotonic() - started < 5.0
+    assert checks == [[0, 1, 2]]

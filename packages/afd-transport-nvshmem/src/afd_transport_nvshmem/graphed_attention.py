@@ -138,6 +138,24 @@ def kernel_combine_wait(transport: WindowTransport) -> CombineWait:
     )
 
 
+class _PeerCheck:
+    """``transport.check_alive(peers)`` at most every :data:`LIVENESS_INTERVAL`, on one clock
+    for a whole combine (a wait replayed slice after slice must not restart it)."""
+
+    def __init__(self, transport: WindowTransport, peers: list[int]) -> None:
+        self._transport = transport
+        self._peers = peers
+        self._next = time.monotonic() + LIVENESS_INTERVAL
+
+    def when_due(self) -> float:
+        """Check if due; returns the time it looked at."""
+        now = time.monotonic()
+        if now >= self._next:
+            self._transport.check_alive(self._peers)
+            self._next = now + LIVENESS_INTERVAL
+        return now
+
+
 class PolledCombineWait:
     """:class:`CombineWait` for tests on the CPU: each :meth:`launch` (a replay under
     :func:`replayed_calls`) looks at the flags once -- all changed, a watched abort word
@@ -493,11 +511,12 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         seen = self._transport.seen
         last = [seen[i] for i in indices]
         deadline = time.monotonic() + limit
+        peers = _PeerCheck(self._transport, dests)  # one clock across the wait's slices
         while True:
             wait.write(indices, last, dests, WAIT_POLLS)
             entry.combine()
             output = entry.combine_out.clone()
-            status = self._await_wait(wait, dests, deadline, limit)
+            status = self._await_wait(wait, peers, deadline, limit)
             if status == 1:
                 break
             if status == 3:
@@ -526,17 +545,15 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         return output
 
     def _await_wait(
-        self, wait: CombineWait, dests: list[int], deadline: float, limit: float
+        self, wait: CombineWait, peers: _PeerCheck, deadline: float, limit: float
     ) -> int:
-        """Spin on the wait's status, checking the peers every :data:`LIVENESS_INTERVAL`."""
-        next_check = time.monotonic() + LIVENESS_INTERVAL
+        """Spin on the wait's status, checking the peers when due (also when slices end
+        faster than the liveness interval)."""
         try:
+            peers.when_due()
             status = wait.status()
             while status == 0:
-                now = time.monotonic()
-                if now >= next_check:
-                    self._transport.check_alive(dests)
-                    next_check = now + LIVENESS_INTERVAL
+                now = peers.when_due()
                 if now >= deadline + 1.0:
                     raise PeerTimeout(
                         f"attention rank {self._rank}: the combine's device wait did not "
