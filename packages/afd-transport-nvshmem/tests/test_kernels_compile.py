@@ -45,10 +45,18 @@ def test_the_device_wait_compiles_with_barriers_around_the_capture() -> None:
             "header_offsets": "*i64",
             "headers_out": "*i32",
         },
-        {"HEADER_WORDS": 78, "BLOCK": 8, "PEER_BLOCK": 2, "WORD_BLOCK": 128, "ALL": False},
+        {
+            "HEADER_WORDS": 78,
+            "BLOCK": 8,
+            "PEER_BLOCK": 2,
+            "WORD_BLOCK": 128,
+            "ALL": False,
+            "PAUSE_NS": 256,
+        },
     )
     ptx = compiled.asm["ptx"]
     assert "atom.global.sys.acquire" in ptx  # flag and abort-word polls
+    assert "nanosleep.u32" in ptx  # a pause between polls
     release = ptx.index("atom.global.sys.release.exch")  # the status word, to the host
     before = ptx[:release]
     # No thread's store (values, headers) may sit between the last barrier and the release.
@@ -222,10 +230,12 @@ def test_the_serve_take_compiles_with_acquire_polls_and_a_released_record(
             "KNOWN_FLAGS": 7,
             "FLAG_SHUTDOWN": 1,
             "FLAG_ROWS": 4,
+            "PAUSE_NS": 256,
         },
     )
     ptx = compiled.asm["ptx"]
     assert "atom.global.sys.acquire" in ptx  # flag and abort-word polls
+    assert "nanosleep.u32" in ptx  # a pause between polls
     assert "ld.volatile.global" in ptx  # the host's stop word, read fresh
     release = ptx.rindex("atom.global.sys.release.exch")  # the record's code, to the host
     before = ptx[:release]

@@ -73,6 +73,7 @@ from afd_protocol import (
 )
 from afd_protocol.window import WindowOptions, WindowTransport, abort_words, flag_words
 from afd_transport_nvshmem import serve_kernels as kernels
+from afd_transport_nvshmem.device_wait import pause_ns
 from afd_transport_nvshmem.graphed_attention import CudaGraphCapture, GraphCapture, Replay
 
 ExpertStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -345,6 +346,7 @@ class GraphedFFNServer:
             KNOWN_FLAGS=KNOWN_FLAGS,
             FLAG_SHUTDOWN=FLAG_SHUTDOWN,
             FLAG_ROWS=FLAG_ROWS_PER_TOKEN,
+            PAUSE_NS=pause_ns(self.device),
         )
         if self._per_rank:
             kernels._expand_kernel[(self._num_counts,)](

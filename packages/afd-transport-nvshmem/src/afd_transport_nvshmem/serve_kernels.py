@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from afd_transport_nvshmem.device_pack import _crc_of
+from afd_transport_nvshmem.device_wait import pause
 
 # Record codes (the ``CODE`` word of a record; 0: not yet written).
 CODE_ITEM = 1
@@ -173,6 +174,7 @@ def _take_kernel(
     KNOWN_FLAGS: tl.constexpr,
     FLAG_SHUTDOWN: tl.constexpr,
     FLAG_ROWS: tl.constexpr,
+    PAUSE_NS: tl.constexpr,
 ):
     slots = tl.arange(0, SLOT_BLOCK)
     in_slots = slots < num_slots
@@ -210,6 +212,8 @@ def _take_kernel(
                 tl.where(stop != 0, 6, tl.where(polls >= max_polls, 2, 0)),  # HALTED, IDLE
             ),
         )
+        if PAUSE_NS > 0:  # (device_wait.POLL_PAUSE_NS: less contention with the other ranks)
+            pause(tl.full([], PAUSE_NS, tl.int32))
     take = code == 1
     # Which slot: the first attention rank at or after the scan start, its lowest sequence.
     fresh = watch & (current != seen)
