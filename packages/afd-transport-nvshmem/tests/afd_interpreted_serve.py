@@ -41,6 +41,7 @@ from afd_protocol.window import (
     LoopbackWorld,
     WindowFFNEndpoint,
     WindowOptions,
+    abort_words,
     flag_words,
     slot_view,
 )
@@ -513,3 +514,33 @@ def test_bad_configurations_are_refused() -> None:
     WindowFFNEndpoint(transport, FAST).close()
     with pytest.raises(InvalidArgument, match="steps_per_graph must be >= 1"):
         ServeGraphOptions(steps_per_graph=0)
+
+
+@pytest.mark.parametrize("all_flags", [True, False])
+def test_a_wait_block_ends_at_the_first_change_or_when_all_changed(all_flags: bool) -> None:
+    """The wait kernel behind both the combine wait (every flag) and the transport's
+    DeviceWaiter (the first change): one of two watched flags changed."""
+    from afd_transport_nvshmem.device_wait import WaitBlock, header_offsets
+
+    layout = layout_of("per_choice", "attention", a=1, f=2)
+    world = LoopbackWorld(layout.window(ring_depth=1))
+    local = world.windows[(Role.ATTENTION, 0)]
+    window = world.window
+    block = WaitBlock(
+        flag_words(local, window),
+        abort_words(local, window),
+        local.view(torch.int32),
+        header_offsets(window, torch.device("cpu")),
+        window.slot.header_words,
+        max_peers=2,
+        all_flags=all_flags,
+    )
+    flag_words(local, window)[window.flag_index(1, 0)] = 7
+    block.write([window.flag_index(0, 0), window.flag_index(1, 0)], [0, 0], [0, 1], 3)
+    block.launch()
+    assert block.status() == (2 if all_flags else 1)  # budget spent / first change
+    assert block.values(2) == [0, 7]
+    abort_words(local, window)[0] = 1
+    block.write([window.flag_index(0, 0)], [0], [0, 1], 3)
+    block.launch()
+    assert block.status() == 3

@@ -69,6 +69,20 @@ def pause(nanoseconds):
     )
 
 
+@triton.jit
+def poll_flags(flags, where, mask, seen, aborts, peers, peer_mask):
+    """One poll of the flag words at ``flags + where`` (``mask``: the lanes watched) and the
+    abort words at ``aborts + peers``, with acquire loads at system scope: ``(current,
+    changed, aborted)`` -- the values (``seen`` where unwatched), how many differ from
+    ``seen``, how many watched abort words are set."""
+    loaded = tl.atomic_add(flags + where, 0, mask=mask, sem="acquire", scope="sys")
+    current = tl.where(mask, loaded, seen)
+    changed = tl.sum(tl.where(mask & (current != seen), 1, 0), axis=0)
+    abort = tl.atomic_add(aborts + peers, 0, mask=peer_mask, sem="acquire", scope="sys")
+    aborted = tl.sum(tl.where(peer_mask & (abort != 0), 1, 0), axis=0)
+    return current, changed, aborted
+
+
 REQUEST_FIXED = 4
 """Request block words before the lists: watched count, peer count, poll budget, spare."""
 
@@ -105,11 +119,7 @@ def _wait_any_kernel(
     polls = 0
     current = seen
     while status == 0:
-        loaded = tl.atomic_add(flags + where, 0, mask=mask, sem="acquire", scope="sys")
-        current = tl.where(mask, loaded, seen)
-        changed = tl.sum(tl.where(mask & (current != seen), 1, 0), axis=0)
-        abort = tl.atomic_add(aborts + pwhere, 0, mask=pmask, sem="acquire", scope="sys")
-        aborted = tl.sum(tl.where(pmask & (abort != 0), 1, 0), axis=0)
+        current, changed, aborted = poll_flags(flags, where, mask, seen, aborts, pwhere, pmask)
         polls += 1
         done = changed == n if ALL else changed > 0
         status = tl.where(done, 1, tl.where(aborted > 0, 3, tl.where(polls >= max_polls, 2, 0)))
@@ -145,17 +155,18 @@ class HostPointer:
 
 
 class DeviceWaiter:
-    """Reusable state for device-side ``wait_any`` calls of one transport.
+    """Reusable state for device-side ``wait_any`` calls of one transport: a
+    :class:`WaitBlock` that ends at the *first* change, launched on a stream of its own.
 
     ``window_words`` is the local window as int32 words and ``header_offsets[i]`` the word
     offset of flag ``i``'s slot header in it; ``header_words`` words are captured per
     arrived slot. ``max_peers`` bounds the watched abort words.
 
     Everything that changes between waits (which flags, the values last seen, which peers,
-    the poll budget) goes to the kernel through one pinned *request* block, so the kernel's
-    arguments never change: the launch is captured once into a CUDA graph and each wait is
-    one graph replay -- no Triton launch path and no host-to-device copy per wait (a copy
-    from pageable memory would make the host wait for the device).
+    the poll budget) goes to the kernel through the block's pinned *request*, so the
+    kernel's arguments never change: the launch is captured once into a CUDA graph and each
+    wait is one graph replay -- no Triton launch path and no host-to-device copy per wait (a
+    copy from pageable memory would make the host wait for the device).
     """
 
     def __init__(
@@ -168,78 +179,39 @@ class DeviceWaiter:
         max_peers: int,
         use_graph: bool = True,
     ) -> None:
-        device = flags.device
-        self.block = triton.next_power_of_2(max(1, header_offsets.numel()))
-        self.peer_block = triton.next_power_of_2(max(1, max_peers))
-        self.header_words = header_words
-        words = REQUEST_FIXED + 2 * self.block + self.peer_block
-        self.request = torch.zeros(words, dtype=torch.int32).pin_memory()
-        self.out = torch.zeros(self.block + 1, dtype=torch.int32).pin_memory()
-        self.headers = torch.zeros(self.block, header_words, dtype=torch.int32).pin_memory()
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self._args = (
-            flags,
-            aborts,
-            HostPointer(self.request),
-            HostPointer(self.out),
-            window_words,
-            header_offsets,
-            HostPointer(self.headers),
+        self.block = WaitBlock(
+            flags, aborts, window_words, header_offsets, header_words, max_peers, all_flags=False
         )
-        self._meta = {
-            "HEADER_WORDS": header_words,
-            "BLOCK": self.block,
-            "PEER_BLOCK": self.peer_block,
-            "WORD_BLOCK": min(128, triton.next_power_of_2(header_words)),
-            "ALL": False,
-            "PAUSE_NS": pause_ns(device),
-        }
+        self.stream = torch.cuda.Stream(device=flags.device)  # type: ignore[no-untyped-call]
         self.graph: torch.cuda.CUDAGraph | None = None
-        # Compile (and run once, watching nothing with a budget of one poll) before
-        # capturing: a graph cannot capture Triton's first-launch compilation.
-        self._submit((), (), (), 1)
-        self._launch()
-        torch.cuda.synchronize(device)
+        # A graph cannot capture Triton's first-launch compilation: run once first.
+        self.block.prepare()
         if use_graph:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                self._launch()
+                self.block.launch()
             self.graph = graph
-
-    def _launch(self) -> None:
-        _wait_any_kernel[(1,)](*self._args, **self._meta)
-
-    def _submit(
-        self, indices: tuple[int, ...], last: tuple[int, ...], peers: tuple[int, ...], polls: int
-    ) -> None:
-        b = self.block
-        request = [len(indices), len(peers), polls, 0]
-        request += list(indices) + [0] * (b - len(indices))
-        request += list(last) + [0] * (b - len(last))
-        request += list(peers) + [0] * (self.peer_block - len(peers))
-        self.out[b] = 0
-        self.request.copy_(torch.tensor(request, dtype=torch.int32))
 
     def launch(
         self, indices: tuple[int, ...], last: tuple[int, ...], peers: tuple[int, ...], polls: int
     ) -> None:
         """Start one poll slice; then read :meth:`status` until it is non-zero."""
-        self._submit(indices, last, peers, polls)
+        self.block.write(indices, last, peers, polls)
         with torch.cuda.stream(self.stream):
             if self.graph is not None:
                 self.graph.replay()
             else:
-                self._launch()
+                self.block.launch()
 
     def status(self) -> int:
-        return int(self.out[self.block])
+        return self.block.status()
 
     def values(self, n: int) -> list[int]:
-        return [int(v) for v in self.out[:n].tolist()]
+        return self.block.values(n)
 
     def header(self, position: int) -> torch.Tensor:
         """A host copy of the header captured for watched position ``position``."""
-        return self.headers[position].clone()
+        return self.block.header(position)
 
 
 def header_offsets(window: WindowLayout, device: torch.device) -> torch.Tensor:
@@ -254,15 +226,16 @@ def header_offsets(window: WindowLayout, device: torch.device) -> torch.Tensor:
 
 
 class WaitBlock:
-    """A bounded device wait for *every* one of a set of this window's flags, to be captured
-    in a CUDA graph (the combine's: :mod:`afd_transport_nvshmem.graphed_attention`).
+    """A bounded device wait for *every* one of a set of this window's flags (with
+    ``all_flags=False``: for the first change, as :class:`DeviceWaiter` waits), that a CUDA
+    graph can hold (the combine's: :mod:`afd_transport_nvshmem.graphed_attention`).
 
     :meth:`write` puts the next wait's flags, their values last seen, the peers whose abort
     words to watch and the poll budget into a request block; :meth:`launch` enqueues the
-    wait kernel (``ALL`` set) on the current stream, reading the request *when it runs*, so
-    a graph replays it with whatever was last written. When it ends it has written the flag
-    values, the header of every slot whose flag changed, and the status (1: all arrived, 2:
-    the poll budget was spent, 3: a watched peer aborted) to host-visible memory, which
+    wait kernel on the current stream, reading the request *when it runs*, so a graph
+    replays it with whatever was last written. When it ends it has written the flag
+    values, the header of every slot whose flag changed, and the status (1: all arrived, or
+    one did, 2: the poll budget was spent, 3: a watched peer aborted) to host memory, which
     :meth:`status`, :meth:`values` and :meth:`header` read. ``flags``, ``aborts`` and
     ``window_words`` are the local window's (on a CUDA device, or on the CPU under Triton's
     interpreter); the request and results are page-locked on a GPU.
@@ -276,7 +249,9 @@ class WaitBlock:
         offsets: torch.Tensor,
         header_words: int,
         max_peers: int,
+        all_flags: bool = True,
     ) -> None:
+        self._device = flags.device
         on_gpu = flags.device.type == "cuda"
         self.block = triton.next_power_of_2(max(1, offsets.numel()))
         self.peer_block = triton.next_power_of_2(max(1, max_peers))
@@ -304,7 +279,7 @@ class WaitBlock:
             "BLOCK": self.block,
             "PEER_BLOCK": self.peer_block,
             "WORD_BLOCK": min(128, triton.next_power_of_2(header_words)),
-            "ALL": True,
+            "ALL": all_flags,
             "PAUSE_NS": pause_ns(flags.device),
         }
 
@@ -328,8 +303,8 @@ class WaitBlock:
         """Compile and load the kernel (a wait for nothing, one poll) before any capture."""
         self.write((), (), (), 1)
         self.launch()
-        if self.out.is_pinned():
-            torch.cuda.synchronize(self.out.device if self.out.is_cuda else None)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
     def status(self) -> int:
         """0 while the wait runs, then 1 (all arrived), 2 (budget spent) or 3 (aborted)."""

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from afd_transport_nvshmem.device_pack import _crc_of
-from afd_transport_nvshmem.device_wait import pause
+from afd_transport_nvshmem.device_wait import pause, poll_flags
 
 # Record codes (the ``CODE`` word of a record; 0: not yet written).
 CODE_ITEM = 1
@@ -195,11 +195,7 @@ def _take_kernel(
     polls = 0
     current = seen
     while code == 0:
-        loaded = tl.atomic_add(flags + slots, 0, mask=watch, sem="acquire", scope="sys")
-        current = tl.where(watch, loaded, seen)
-        changed = tl.sum(tl.where(watch & (current != seen), 1, 0), axis=0)
-        word = tl.atomic_add(aborts + ranks, 0, mask=watch_rank, sem="acquire", scope="sys")
-        aborted = tl.sum(tl.where(watch_rank & (word != 0), 1, 0), axis=0)
+        current, changed, aborted = poll_flags(flags, slots, watch, seen, aborts, ranks, watch_rank)
         polls += 1
         if polls % 64 == 0:
             stop = tl.load(control, volatile=True)
