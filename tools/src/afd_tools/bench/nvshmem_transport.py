@@ -699,7 +699,6 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     for n in tokens:
         eager, graphed = f"kernel-publish/{n}", f"graphs/{n}"
-        both = f"ffn-graph/{n}"
         print(
             f"  {n:6d} {times[eager + '/dispatch_call'] * 1e6:19.1f} "
             f"{times[eager + '/combine_call'] * 1e6:9.1f} "
@@ -710,19 +709,14 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{times.get(graphed + '/captures', float('nan')):11.0f} "
             f"{times.get(graphed + '/capture_s', float('nan')) * 1e3:14.2f}"
         )
-        host_wait = f"graphs-host-wait/{n}"
-        print(
-            f"  {'':>6} {'(host wait)':>19} {'':>9} "
-            f"{times[host_wait + '/dispatch_call'] * 1e6:17.1f} "
-            f"{times[host_wait + '/combine_call'] * 1e6:9.1f} "
-            f"{times[host_wait] / times[eager]:22.2f} {'':>19} {_spread(times, host_wait):>17}"
-        )
-        print(
-            f"  {'':>6} {'(ffn graph)':>19} {'':>9} "
-            f"{times[both + '/dispatch_call'] * 1e6:17.1f} "
-            f"{times[both + '/combine_call'] * 1e6:9.1f} "
-            f"{times[both] / times[eager]:22.2f} {'':>19} {_spread(times, both):>17}"
-        )
+        for label, mode in (("(host wait)", "graphs-host-wait"), ("(ffn graph)", "ffn-graph")):
+            key = f"{mode}/{n}"
+            print(
+                f"  {'':>6} {label:>19} {'':>9} "
+                f"{times[key + '/dispatch_call'] * 1e6:17.1f} "
+                f"{times[key + '/combine_call'] * 1e6:9.1f} "
+                f"{times[key] / times[eager]:22.2f} {'':>19} {_spread(times, key):>17}"
+            )
     graph = report["ffn_graph"]
     print(
         f"\nthe FFN rank's serve loop as one CUDA graph ('ffn graph'): {graph['served']} items "
