@@ -150,6 +150,10 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
         ),
         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
         (["--stages", "0"], "--stages must be >= 1, got 0"),
+        (
+            ["--min-stage-tokens", "-1"],
+            "--min-stage-tokens must be >= 0 (0: always --stages), got -1",
+        ),
         (["--tie-margin", "nan"], "--tie-margin must be within [0, 1], got nan"),
         (
             ["--cam-dynamic-quant"],
@@ -207,6 +211,27 @@ def test_colocated_dp_ep_exchanges_tokens_between_all_processes_and_verifies(
     assert len(colocated["attention_busy"]) == 4  # every process computes attention
     assert colocated["ffn_busy"] == []
     assert data["placement"]["exchange"] == "gloo"
+
+
+def test_a_stage_floor_above_every_step_runs_async_in_one_stage(tmp_path: Path) -> None:
+    """--stages 2 --min-stage-tokens 1000 on steps of at most 64 tokens: every step stays
+    whole, so the FFN ranks serve exactly as many items as with --stages 1 (and the outputs
+    verify); the report records the floor."""
+    items = {}
+    for name, extra in {
+        "floor": ["--stages", "2", "--min-stage-tokens", "1000"],
+        "one": ["--stages", "1"],
+        "two": ["--stages", "2"],
+    }.items():
+        report = tmp_path / f"{name}.json"
+        assert main([*SMALL, "--mode", "async", *extra, "--json", str(report)]) == 0
+        data = json.loads(report.read_text())
+        assert data["verification_failures"] == {}
+        items[name] = data["modes"]["async"]["breakdown"]["ffn_items"]
+        floor = 1000 if name == "floor" else 0
+        assert data["deployment"]["min_stage_tokens"] == floor
+    assert items["floor"] == items["one"]
+    assert items["two"] > items["one"]
 
 
 @pytest.mark.skipif(

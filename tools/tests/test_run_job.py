@@ -239,14 +239,18 @@ def test_every_variant_of_the_gpu_fast_path_script_is_a_valid_afd_run() -> None:
     text = FAST_PATH.read_text().replace("\\\n", " ")
     base = shlex.split(re.search(r"^base=\((.*?)\)$", text, re.M | re.S).group(1))  # type: ignore[union-attr]
     base = [w for w in base if w != '"${share[@]}"' and w != "${share[@]}"] + ["--share-gpus"]
-    variants = dict(re.findall(r"^\s*(\w+)\) extra=\((.*)\) ;;$", text, re.M))
-    assert set(variants) == {"eager", "graphs", "both"}
+    variants = dict(re.findall(r"^\s*([\w-]+)\) extra=\((.*)\) ;;$", text, re.M))
+    assert set(variants) == {"eager", "graphs", "both", "graphs-floor", "both-floor"}
     jobs = {v: job_from_args(_parsed(*base, *shlex.split(extra))) for v, extra in variants.items()}
     assert jobs["both"].ffn_graph
     assert jobs["both"].exchange_graphs == jobs["graphs"].exchange_graphs == 8
     assert not jobs["eager"].ffn_graph
     assert not jobs["eager"].exchange_graphs
     assert {j.backend for j in jobs.values()} == {"triton"}
+    for plain in ("graphs", "both"):
+        floored = jobs[f"{plain}-floor"]
+        assert floored.min_stage_tokens == 2048
+        assert dataclasses.replace(floored, min_stage_tokens=0) == jobs[plain]
 
 
 def test_the_gpu_fast_path_script_refuses_an_unknown_variant() -> None:
@@ -254,4 +258,4 @@ def test_the_gpu_fast_path_script_refuses_an_unknown_variant() -> None:
 
     wrong = subprocess.run(["bash", str(FAST_PATH), "fastest"], capture_output=True, text=True)
     assert wrong.returncode == 2
-    assert "unknown variant 'fastest' (eager, graphs or both)" in wrong.stderr
+    assert "unknown variant 'fastest' (eager, graphs, both, graphs-floor or both-floor)" in wrong.stderr

@@ -186,6 +186,34 @@ def test_stages_overlap_attention_with_the_ffn() -> None:
     assert ends[1] < ends[0]
 
 
+def test_a_stage_floor_keeps_small_steps_whole_where_fixed_costs_dominate() -> None:
+    """Attention all fixed cost: two stages pay it twice and lose to one; a floor above the
+    step's tokens per stage simulates exactly the one-stage run, and a floor the stages
+    clear changes nothing."""
+    requests = assign([64], [0.0], 1, "round-robin")
+    cal = _cal(attn_fixed_s=0.5, ffn_row_s=0.001)
+    config = preset("tiny", num_layers=2, first_k_dense_replace=0)
+
+    def makespan(stages: int, floor: int) -> float:
+        dep = deployment(
+            config,
+            cal,
+            attention_ranks=1,
+            ffn_ranks=1,
+            budget=64,
+            stages=stages,
+            min_stage_tokens=floor,
+        )
+        return float(summary(simulate_mode(dep, "async", requests)).makespan_s)
+
+    one, two = makespan(1, 0), makespan(2, 0)
+    assert two > one
+    assert makespan(2, 33) == one  # 64 tokens: under 33 per stage for two stages
+    assert makespan(2, 32) == two
+    with pytest.raises(SimError, match="--min-stage-tokens must be >= 0, got -1"):
+        deployment(config, cal, attention_ranks=1, ffn_ranks=1, budget=64, min_stage_tokens=-1)
+
+
 # properties -----------------------------------------------------------------------------
 _coef = st.floats(min_value=0.0, max_value=2.0, allow_nan=False)
 _lengths = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=12)

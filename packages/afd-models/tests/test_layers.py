@@ -20,6 +20,7 @@ from afd_models import (
     RandomWeights,
     RMSNorm,
     RotaryEmbedding,
+    stage_count,
 )
 from afd_models import preset as make_preset
 from afd_models.rotary import inverse_frequencies
@@ -107,6 +108,38 @@ def test_stages_cover_every_token_once(lengths: list[int], stages: int) -> None:
         assert rows == stage.num_tokens
     assert seen == list(range(total))
     assert batch.positions().tolist() == [p for n in lengths for p in range(n)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    stages=st.integers(1, 8),
+    floor=st.integers(0, 60),
+)
+def test_a_stage_floor_cuts_small_batches_into_fewer_stages(
+    lengths: list[int], stages: int, floor: int
+) -> None:
+    """``min_stage_tokens``: no stage below the floor unless the whole batch is (then one
+    stage), never more stages than asked, and the cut is the plain cut at that count."""
+    batch = PromptBatch.from_prompts([[0] * n for n in lengths])
+    total = sum(lengths)
+    cut = batch.stages(stages, floor)
+    expected = stages if floor == 0 else max(1, min(stages, total // floor))
+    assert stage_count(total, stages, floor) == expected
+    assert len(cut) == min(expected, total)
+    assert cut == batch.stages(expected)
+    if len(cut) > 1:
+        assert min(s.num_tokens for s in cut) >= floor
+
+
+def test_the_stage_floor_of_the_measured_case() -> None:
+    """1,024 tokens, two stages asked: a floor of 2,048 keeps one, 512 keeps both."""
+    assert stage_count(1024, 2, 2048) == 1
+    assert stage_count(1024, 2, 512) == 2
+    assert stage_count(8192, 4, 2048) == 4
+    assert stage_count(8191, 4, 2048) == 3
+    with pytest.raises(ConfigError, match="min_stage_tokens must be >= 0, got -1"):
+        stage_count(10, 2, -1)
 
 
 def test_batch_rejects_empty_prompts() -> None:

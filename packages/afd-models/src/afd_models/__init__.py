@@ -28,7 +28,15 @@ from afd_models.backends import (
     register_expert_backend,
     unregister_expert_backend,
 )
-from afd_models.batch import KVCache, Prompt, PromptBatch, PromptChunk, Segment, Stage
+from afd_models.batch import (
+    KVCache,
+    Prompt,
+    PromptBatch,
+    PromptChunk,
+    Segment,
+    Stage,
+    stage_count,
+)
 from afd_models.config import DeepseekConfig, RopeScaling
 from afd_models.errors import BackendUnavailable, ConfigError, DeviceError, WeightsError
 from afd_models.experts import ExpertStack, ExpertWeights, GroupedRows
@@ -119,5 +127,6 @@ __all__ = [
     "routed_experts",
     "save_checkpoint",
     "save_safetensors",
+    "stage_count",
     "unregister_expert_backend",
 ]

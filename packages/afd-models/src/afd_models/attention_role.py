@@ -84,11 +84,14 @@ class AttentionRoleModel:
         endpoint: AttentionEndpoint,
         *,
         num_stages: int = 1,
+        min_stage_tokens: int = 0,
         compute_logits: bool = True,
         cache: KVCache | None = None,
         select: LayerSelect | None = None,
     ) -> PrefillOutput:
-        """Prefill ``prompts`` with the routed experts served through ``endpoint``.
+        """Prefill ``prompts`` with the routed experts served through ``endpoint``, in
+        ``num_stages`` stages (fewer where the batch has under ``min_stage_tokens`` tokens
+        per stage: :func:`afd_models.batch.stage_count`).
 
         Entries may be chunks of longer prompts (:class:`~afd_models.batch.PromptChunk`), with a
         ``cache`` the caller keeps between calls (chunked prefill: the earlier chunks'
@@ -115,10 +118,11 @@ class AttentionRoleModel:
                 batch,
                 remote,
                 num_stages=num_stages,
+                min_stage_tokens=min_stage_tokens,
                 compute_logits=compute_logits,
                 cache=cache,
             )
-        self.stats.stages = len(batch.stages(num_stages))
+        self.stats.stages = len(batch.stages(num_stages, min_stage_tokens))
         return out
 
     __call__ = forward

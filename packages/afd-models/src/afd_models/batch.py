@@ -156,13 +156,15 @@ class PromptBatch:
         """Row of each prompt's last token (where next-token logits come from)."""
         return torch.tensor(self.offsets[1:], dtype=torch.int64, device=self.token_ids.device) - 1
 
-    def stages(self, num_stages: int) -> tuple[Stage, ...]:
+    def stages(self, num_stages: int, min_stage_tokens: int = 0) -> tuple[Stage, ...]:
         """Cut the batch into at most ``num_stages`` near-equal contiguous token ranges.
 
         Empty ranges (fewer tokens than stages) are dropped, so every stage holds work.
+        ``min_stage_tokens`` > 0 cuts fewer ranges where the batch is small: at most
+        ``num_tokens // min_stage_tokens`` of them (at least one), so no stage is cut below
+        that size (:func:`stage_count`).
         """
-        if num_stages < 1:
-            raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
+        num_stages = stage_count(self.num_tokens, num_stages, min_stage_tokens)
         total = self.num_tokens
         bounds = sorted({(i * total) // num_stages for i in range(num_stages + 1)})
         offsets = self.offsets
@@ -236,3 +238,24 @@ class KVCache:
 
     def __len__(self) -> int:
         return len(self._store)
+
+
+def stage_count(num_tokens: int, num_stages: int, min_stage_tokens: int = 0) -> int:
+    """How many stages a step of ``num_tokens`` tokens is cut into: ``num_stages``, or fewer
+    where ``min_stage_tokens`` > 0 and the step is small -- ``num_tokens //
+    min_stage_tokens`` but at least one.
+
+    Why a floor: a stage's fixed costs (its kernel launches, its exchange per MoE layer)
+    do not shrink with its tokens, so cutting a small step only multiplies them. On one
+    H200 under MPS, v2-lite's attention took 3.3 ms per MoE layer for a 512-token stage and
+    3.0 ms for the whole 1,024-token step, so two stages made async 0.57-0.77x sync
+    (``docs/benchmarks.md``). vLLM's dual-batch overlap keeps a threshold of its own for the
+    same reason.
+    """
+    if num_stages < 1:
+        raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
+    if min_stage_tokens < 0:
+        raise ConfigError(f"min_stage_tokens must be >= 0, got {min_stage_tokens}")
+    if min_stage_tokens == 0:
+        return num_stages
+    return max(1, min(num_stages, num_tokens // min_stage_tokens))

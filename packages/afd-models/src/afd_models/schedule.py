@@ -38,10 +38,13 @@ def run_prefill(
     moe: MoEExecution,
     *,
     num_stages: int = 1,
+    min_stage_tokens: int = 0,
     compute_logits: bool = True,
     cache: KVCache | None = None,
 ) -> PrefillOutput:
-    """Run ``batch`` through every layer with ``num_stages`` stages (module docstring).
+    """Run ``batch`` through every layer with ``num_stages`` stages (module docstring), or
+    fewer where ``min_stage_tokens`` says the batch is too small for them
+    (:func:`afd_models.batch.stage_count`).
 
     ``cache`` holds what earlier chunks of the batch's requests left (see
     :class:`~afd_models.batch.KVCache`); a chunk that does not end its prompt needs one that
@@ -64,7 +67,7 @@ def run_prefill(
                 f"{batch.start_of(i)} but {have} of its tokens are cached; send each chunk "
                 f"where the previous one ended, with the same KVCache"
             )
-    stages = batch.stages(num_stages)
+    stages = batch.stages(num_stages, min_stage_tokens)
     positions = batch.positions()
     hidden = [trunk.embed_tokens(batch.token_ids[s.begin : s.end]) for s in stages]
     stage_positions = [positions[s.begin : s.end] for s in stages]

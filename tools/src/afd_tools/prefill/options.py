@@ -63,6 +63,15 @@ def add_wire_options(p: argparse.ArgumentParser) -> None:
         "the FFN work of stage i)",
     )
     p.add_argument(
+        "--min-stage-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="async mode: cut a step into fewer stages where it has under N tokens per "
+        "stage (a stage's fixed costs do not shrink with its tokens; on one H200, 512-token "
+        "stages made async slower than sync); 0 (default): always --stages",
+    )
+    p.add_argument(
         "--shared",
         choices=[s.value for s in SharedPlacement],
         default="attention",

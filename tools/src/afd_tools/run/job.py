@@ -91,6 +91,9 @@ class RunJob:
     colocated: str | None = None
     # the wire
     stages: int = 1
+    min_stage_tokens: int = 0
+    """Async mode: a step is cut into fewer stages where it has under this many tokens per
+    stage (``afd_models.stage_count``); 0: always ``stages``."""
     shared: str = SharedPlacement.ATTENTION.value
     wire_format: str = WireFormat.PER_RANK.value
     combine_reduce: str = CombineReduce.FFN.value
@@ -136,6 +139,10 @@ class RunJob:
         _choose("combine_reduce", self.combine_reduce, [c.value for c in CombineReduce])
         if self.stages < 1:
             raise WorkloadError(f"--stages must be >= 1, got {self.stages}")
+        if self.min_stage_tokens < 0:
+            raise WorkloadError(
+                f"--min-stage-tokens must be >= 0 (0: always --stages), got {self.min_stage_tokens}"
+            )
         if self.attention_ranks < 1 or self.ffn_ranks < 1:
             raise WorkloadError("--attention-ranks and --ffn-ranks must be >= 1")
         if self.layers is not None and self.layers < 1:

@@ -140,6 +140,7 @@ def _replica_spec(
             "run_timeout": job.run_timeout,
             "device": device,
             "num_stages": job.stages,
+            "min_stage_tokens": job.min_stage_tokens,
             "progress": progress,
         },
     )

@@ -251,6 +251,8 @@ class ReplicaSetup:
     modes: list[str]
     num_stages: int
     run_timeout: float
+    min_stage_tokens: int = 0
+    """Async steps with under this many tokens per stage are cut into fewer stages."""
 
     @classmethod
     def build(
@@ -269,13 +271,15 @@ class ReplicaSetup:
         run_timeout: float,
         device: str = "cpu",
         num_stages: int = 1,
+        min_stage_tokens: int = 0,
     ) -> ReplicaSetup:
         """The replica on ``connection``: prefill ``requests`` (with ``seed``'s weights and
         prompts) in each of ``modes``, in steps of at most ``max_tokens`` tokens on
         ``device``; ``lockstep_inbox`` / ``lockstep_outboxes`` are this replica's ends of the
         lockstep's pipes (:func:`afd_tools.run.lockstep.pipes`), ``progress`` gets a byte
         per finished request; ``timeout`` bounds every endpoint wait, ``run_timeout`` every
-        wait for the other replicas; ``num_stages`` micro-batches are in flight in async."""
+        wait for the other replicas; ``num_stages`` micro-batches are in flight in async
+        (fewer in a step with under ``min_stage_tokens`` tokens per stage)."""
         torch_dtype = getattr(torch, connection.layout.dtype)
         where = rank_device(connection, device)
         weights = random_weights(seed, where)
@@ -330,6 +334,7 @@ class ReplicaSetup:
             modes,
             num_stages,
             run_timeout,
+            min_stage_tokens,
         )
 
     def warm_up(self) -> None:
@@ -372,6 +377,7 @@ class ReplicaMode:
         endpoint: AttentionEndpoint,
         cache: KVCache,
         num_stages: int = 1,
+        min_stage_tokens: int = 0,
     ) -> PrefillOutput:
         """The attention model's forward of one step over ``endpoint``, its expert choices
         logged."""
@@ -380,6 +386,7 @@ class ReplicaMode:
             entries,
             endpoint,
             num_stages=num_stages,
+            min_stage_tokens=min_stage_tokens,
             compute_logits=False,
             cache=cache,
             select=setup.loop.log,
@@ -425,8 +432,9 @@ class AsyncMode(ReplicaMode):
     waits_in_combine = True
 
     def forward(self, entries: list[Prompt], rows: int, cache: KVCache) -> StepOutput:
-        output = self.prefill(entries, self.setup.timed, cache, self.setup.num_stages)
-        return output, self.setup.model.stats.combine_wait_s
+        setup = self.setup
+        output = self.prefill(entries, setup.timed, cache, setup.num_stages, setup.min_stage_tokens)
+        return output, setup.model.stats.combine_wait_s
 
 
 class SyncMode(ReplicaMode):

@@ -85,6 +85,10 @@ class MeasuredRun:
         return self.deployment.stages
 
     @property
+    def min_stage_tokens(self) -> int:
+        return self.deployment.min_stage_tokens
+
+    @property
     def colocated(self) -> str:
         """The colocated baseline as the simulator models it (``dp`` or ``dp-ep``). A run
         measured against the monolithic model on a whole GPU (``mono``) has no such mode:
@@ -116,6 +120,7 @@ class MeasuredRun:
         return (
             f"{self.attention_ranks}A{self.ffn_ranks}F {self.workload} "
             f"{len(self.requests)} req, budget {self.budget}, stages {self.stages}"
+            + (f" (>= {self.min_stage_tokens} tokens each)" if self.min_stage_tokens else "")
         )
 
 

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from afd_models import stage_count
 from afd_tools.prefill.layer_times import LayerTimes
 from afd_tools.prefill.metrics import ReplicaTimes
 from afd_tools.prefill.workload import Chunk, ChunkQueue, Request
@@ -48,6 +49,9 @@ class Setup:
     colocated: str = "dp"
     ffn_batch: int = 1
     """Ready items of the same layer an FFN rank may serve at once (``afd run``: 1)."""
+    min_stage_tokens: int = 0
+    """Async steps under this many tokens per stage are cut into fewer stages
+    (``afd run --min-stage-tokens``; :func:`afd_models.stage_count`)."""
 
 
 @dataclass
@@ -166,11 +170,15 @@ class _Barrier:
         return signal
 
 
-def stage_split(chunks: Sequence[Chunk], stages: int) -> list[tuple[float, float]]:
+def stage_split(
+    chunks: Sequence[Chunk], stages: int, min_stage_tokens: int = 0
+) -> list[tuple[float, float]]:
     """``(tokens, square)`` of each of at most ``stages`` near-equal token ranges of a
-    batch, cut as :meth:`afd_models.batch.PromptBatch.stages` cuts it; ``square`` sums
+    batch (fewer under ``min_stage_tokens`` tokens per stage), cut as
+    :meth:`afd_models.batch.PromptBatch.stages` cuts it; ``square`` sums
     ``end**2 - begin**2`` over the prompt positions in the range."""
     total = sum(c.end - c.begin for c in chunks)
+    stages = stage_count(total, stages, min_stage_tokens)
     bounds = sorted({(i * total) // stages for i in range(stages + 1)})
     out = []
     for lo_b, hi_b in itertools.pairwise(bounds):
@@ -273,7 +281,7 @@ class Simulation:
                     continue
             start = engine.now
             if chunks:
-                pieces = stage_split(chunks, stages)
+                pieces = stage_split(chunks, stages, self.setup.min_stage_tokens)
             else:
                 pieces = [(1.0, 1.0)]  # lockstep: a one-token dummy batch
                 rec.dummy_batches += 1

@@ -39,6 +39,7 @@ def deployment(
     ffn_batch: int = 1,
     wire: Wire | None = None,
     dtype: str | None = None,
+    min_stage_tokens: int = 0,
 ) -> Deployment:
     """Check the options (one :class:`SimError` naming the bad one) and bundle them."""
     problems = []
@@ -50,6 +51,8 @@ def deployment(
         problems.append(f"--stages must be >= 1, got {stages}")
     if ffn_batch < 1:
         problems.append(f"--ffn-batch must be >= 1, got {ffn_batch}")
+    if min_stage_tokens < 0:
+        problems.append(f"--min-stage-tokens must be >= 0, got {min_stage_tokens}")
     if colocated not in COLOCATED:
         problems.append(f"--colocated must be one of {list(COLOCATED)}, got {colocated!r}")
     wire = wire or Wire()
@@ -58,7 +61,9 @@ def deployment(
     if problems:
         raise SimError("; ".join(problems))
     shapes = Shapes.of(config, dtype or calibration.dtype)
-    setup = Setup(attention_ranks, ffn_ranks, budget, stages, colocated, ffn_batch)
+    setup = Setup(
+        attention_ranks, ffn_ranks, budget, stages, colocated, ffn_batch, min_stage_tokens
+    )
     return Deployment(shapes, setup, wire, calibration)
 
 

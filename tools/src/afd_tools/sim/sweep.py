@@ -80,6 +80,7 @@ def sweep(
     policy: str = "round-robin",
     ffn_batch: int = 1,
     progress: Callable[[], None] | None = None,
+    min_stage_tokens: int = 0,
 ) -> list[Point]:
     """Every configuration's simulated figures."""
     jobs: list[tuple[int, int, int, str]] = []
@@ -102,6 +103,7 @@ def sweep(
             ffn_ranks=f,
             budget=budget,
             stages=stages,
+            min_stage_tokens=min_stage_tokens,
             colocated="dp-ep",
             ffn_batch=ffn_batch,
             wire=wire,
