@@ -99,6 +99,53 @@ def main() -> None:
     print(f"host time per call, median of 2000, {torch.cuda.get_device_name(dev)}, {where}")
     for name, fn in rows:
         print(f"  {name:42s} {median_us(fn):8.1f} us")
+    device_plans(dev)
+
+
+def device_plans(dev: torch.device) -> None:
+    """The device plan as a CUDA graph: afd_protocol's torch ops against the Triton kernels
+    (afd_transport_nvshmem.device_plan), checked equal, then the host time of a replay and
+    the device time per replay (200 back to back, CUDA events)."""
+    from afd_protocol import SharedPlacement, WireFormat, plan_on_device
+    from afd_transport_nvshmem.device_plan import triton_plan_on_device
+
+    print("device plan replayed from a CUDA graph: torch ops vs the Triton kernels")
+    print(f"  {'case':34s} {'plan':7s} {'host us':>8s} {'device us':>10s}")
+    cases = [
+        ("V2-Lite per_choice", Topology(1, 1, 64), 6, WireFormat.PER_CHOICE, True),
+        ("V2-Lite per_rank, FFN reduce", Topology(1, 1, 64), 6, WireFormat.PER_RANK, False),
+        ("V3 8 FFN per_rank, FFN reduce", Topology(1, 8, 256), 8, WireFormat.PER_RANK, False),
+    ]
+    for label, topo, topk, wire, order in cases:
+        for tokens in (1024, 4096, 16384):
+            ids = torch.rand(tokens, topo.num_experts, device=dev).topk(topk, -1).indices
+            plans = {}
+            for name, planner in (("torch", plan_on_device), ("triton", triton_plan_on_device)):
+                for _ in range(2):  # compile, allocate
+                    planner(ids, topo, SharedPlacement.ATTENTION, wire, order)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    plan = planner(ids, topo, SharedPlacement.ATTENTION, wire, order)
+                    wanted = plan.token_row_positions if wire is WireFormat.PER_RANK else None
+                graph.replay()
+                plans[name] = (plan, wanted)
+                host = median_us(graph.replay, 500)
+                start = torch.Event(device=dev, enable_timing=True)
+                end = torch.Event(device=dev, enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(200):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                device = start.elapsed_time(end) * 1e3 / 200
+                print(f"  {label + f', {tokens} tokens':34s} {name:7s} {host:8.1f} {device:10.1f}")
+            (a, pa), (b, pb) = plans["torch"], plans["triton"]
+            for field in ("order", "expert_counts", "segment_offsets", "expert_bounds"):
+                if not torch.equal(getattr(a, field), getattr(b, field)):
+                    raise SystemExit(f"device plan mismatch: {label}, {tokens} tokens, {field}")
+            if pa is not None and (pb is None or not torch.equal(pa, pb)):
+                raise SystemExit(f"device plan mismatch: {label}, {tokens} tokens, token rows")
 
 
 def under_mps(share: int) -> int:

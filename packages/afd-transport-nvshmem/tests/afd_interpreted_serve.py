@@ -15,6 +15,7 @@ idle and bad-input errors; sequence numbers and flags handed back to the transpo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -45,6 +46,7 @@ from afd_protocol.window import (
     flag_words,
     slot_view,
 )
+from afd_transport_nvshmem.device_plan import triton_plan_on_device
 from afd_transport_nvshmem.graphed_attention import (
     GraphedAttentionEndpoint,
     kernel_combine_wait,
@@ -179,15 +181,17 @@ def jobs_of(rounds: int, a: int, stages: int, experts: list[int] | None = None) 
 
 
 def attention_of(world: LoopbackWorld, rank: int, graphs: bool) -> KernelAttentionEndpoint:
-    """The kernel endpoint, or (``graphs``) the graphed one whose combine graphs hold the
-    Triton wait kernel (run by the interpreter, like the FFN side's kernels)."""
+    """The kernel endpoint, or (``graphs``) the graphed one whose dispatch graphs plan with
+    the Triton device plan and whose combine graphs hold the Triton wait kernel (run by the
+    interpreter, like the FFN side's kernels; the eager endpoint plans with the torch
+    reference)."""
     transport = world.transport(Role.ATTENTION, rank)
     if not graphs:
         return KernelAttentionEndpoint(transport, FAST, REFERENCE_KERNELS)
     return GraphedAttentionEndpoint(
         transport,
         FAST,
-        REFERENCE_KERNELS,
+        dataclasses.replace(REFERENCE_KERNELS, device_plan=triton_plan_on_device),
         capture=replayed_calls,
         combine_wait=kernel_combine_wait,
     )

@@ -18,6 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from afd_protocol import HEADER_FIXED_WORDS, Word  # noqa: E402
 from afd_transport_nvshmem import (  # noqa: E402
     device_pack,
+    device_plan,
     device_wait,
     flag_publish,
     fused_combine,
@@ -315,3 +316,63 @@ def test_the_serve_reply_publishes_its_flag_after_the_header_with_a_release() ->
     before = ptx[:flag]
     assert "st.global" in before  # the header words
     assert before.rfind("bar.sync") > before.rfind("st.global")
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_the_device_plan_kernels_compile(per_rank: bool) -> None:
+    """The three launches of ``device_plan`` at V3's shape (256 experts top-8, 8 FFN ranks)."""
+    shape = {"TOPK": 8, "FLATS": device_plan.FLATS, "TOKENS": device_plan.TOKENS, "KEYS": 256}
+    ranks = {"RANKS": 16, "PER_RANK": per_rank}
+    tables = {"ids": "*i32", "wire_of": "*i64", "owner_of": "*i64"}
+    sizes = {"num_flat": "i32", "num_tokens": "i32", "num_experts": "i32", "num_ffn": "i32"}
+    _compile(
+        device_plan._count_kernel,
+        {
+            **tables,
+            **sizes,
+            "block_keys": "*i32",
+            "block_hits": "*i32",
+            "block_min": "*i64",
+            "block_max": "*i64",
+        },
+        {**shape, **ranks},
+    )
+    _compile(
+        device_plan._scan_kernel,
+        {
+            "block_keys": "*i32",
+            "block_hits": "*i32",
+            "block_min": "*i64",
+            "block_max": "*i64",
+            "num_blocks": "i32",
+            "num_flat": "i32",
+            "num_experts": "i32",
+            "num_ffn": "i32",
+            "rank_wire_offsets": "*i64",
+            "key_base": "*i64",
+            "rank_base": "*i64",
+            "expert_counts": "*i64",
+            "key_start": "*i64",
+            "segment_offsets": "*i64",
+            "expert_bounds": "*i64",
+            "token_row_offsets": "*i64",
+        },
+        {"KEYS": 256, "CHUNK": device_plan.CHUNK, **ranks},
+    )
+    _compile(
+        device_plan._place_kernel,
+        {
+            **tables,
+            **sizes,
+            "key_base": "*i64",
+            "rank_base": "*i64",
+            "key_start": "*i64",
+            "token_row_offsets": "*i64",
+            "order": "*i64",
+            "row_token": "*i64",
+            "wire_position": "*i64",
+            "token_rows": "*i64",
+            "token_row_positions": "*i64",
+        },
+        {**shape, **ranks, "ORDER": True},
+    )

@@ -97,6 +97,8 @@ from afd_protocol.core.plan import (
     new_accumulator,
     plan_dispatch,
     plan_on_device,
+    shared_token_split,
+    wire_table,
 )
 from afd_protocol.core.rendezvous import (
     DirectoryStore,
@@ -236,7 +238,9 @@ __all__ = [
     "relative_error",
     "serve",
     "share_segments",
+    "shared_token_split",
     "supervisor_from_env",
     "torch_dtype",
     "transport_names",
+    "wire_table",
 ]

@@ -67,7 +67,6 @@ from afd_protocol import (
     WireOrder,
     check_expert_bounds,
     keeping_constants,
-    plan_on_device,
 )
 from afd_protocol.window import (
     Arrivals,
@@ -456,7 +455,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
         def body() -> tuple[DevicePlan, torch.Tensor]:
             fixed_device.copy_(entry.fixed_host, non_blocking=True)
-            plan = plan_on_device(
+            plan = self._kernels.device_plan(
                 entry.topk_ids,
                 self._topology,
                 slot.shared_placement,

@@ -39,7 +39,6 @@ from afd_protocol import (
     check_expert_bounds,
     constant_index,
     encode_words,
-    plan_on_device,
 )
 from afd_protocol.window import (
     ExpectedReply,
@@ -132,7 +131,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
     def _plan(self, topk_ids: torch.Tensor) -> WireOrder:
         if self._packs_on_device(topk_ids):
             slot = self._slot
-            return plan_on_device(
+            return self._kernels.device_plan(
                 topk_ids,
                 self._topology,
                 slot.shared_placement,

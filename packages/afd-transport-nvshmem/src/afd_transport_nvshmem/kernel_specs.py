@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -60,9 +61,13 @@ from afd_protocol import (
     DevicePlan,
     ExpertPlacement,
     PartialsReduce,
+    SharedPlacement,
+    Topology,
+    WireFormat,
     Word,
     checksum,
     crc_columns,
+    plan_on_device,
     reference_reduce_partials,
 )
 
@@ -167,6 +172,20 @@ DevicePack = Callable[[PackInputs], None]
 """Writes rows, source tokens and headers for every destination (module docstring)."""
 
 
+class DevicePlanner(Protocol):
+    """:func:`afd_protocol.plan_on_device`'s signature: a dispatch plan whose counts stay on
+    the device."""
+
+    def __call__(
+        self,
+        topk_ids: torch.Tensor,
+        topology: Topology,
+        shared_placement: SharedPlacement,
+        wire_format: WireFormat = ...,
+        per_partial_order: bool = ...,
+    ) -> DevicePlan: ...
+
+
 @functools.lru_cache(maxsize=16)
 def crc_tables(
     placement: ExpertPlacement, device: torch.device
@@ -247,9 +266,12 @@ class WindowKernels:
     fused_combine: FusedCombine
     device_pack: DevicePack | None = None
     reduce_partials: PartialsReduce | None = None
+    device_plan: DevicePlanner = plan_on_device
+    """Plans a packed dispatch on the device (the torch reference by default; the Triton
+    kernels' is three launches, where the reference is ~15-35 small ones)."""
 
 
 REFERENCE_KERNELS = WindowKernels(
-    reference_fused_combine, reference_device_pack, reference_reduce_partials
+    reference_fused_combine, reference_device_pack, reference_reduce_partials, plan_on_device
 )
 """The torch references as kernels: the kernel endpoint's logic, testable on any device."""
