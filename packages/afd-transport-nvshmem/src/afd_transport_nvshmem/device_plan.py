@@ -80,7 +80,13 @@ def _hits_of(
     return tl.where(live, hits, 0)
 
 
-@triton.jit
+# The sizes are masks and loop bounds only: not specialised on (divisibility by 16, == 1),
+# so one compiled kernel serves every token count (each new specialisation is a JIT compile
+# of ~0.5 s inside a timed step otherwise).
+_SIZES = ["num_flat", "num_tokens", "num_experts", "num_ffn"]
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def _count_kernel(
     ids,
     wire_of,
@@ -115,7 +121,7 @@ def _count_kernel(
         tl.store(block_hits + b * RANKS + tl.arange(0, RANKS), tl.sum(hits, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks", *_SIZES])
 def _scan_kernel(
     block_keys,
     block_hits,
@@ -189,7 +195,7 @@ def _scan_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _place_kernel(
     ids,
     wire_of,
