@@ -26,6 +26,7 @@ from afd_tools.run.replica import (
     ColocatedMode,
     ExpertParallelMode,
     ReplicaMode,
+    ReplicaSetup,
     SyncMode,
     replica_mode,
 )
@@ -143,6 +144,47 @@ def test_a_free_running_loop_ends_when_its_queue_is_empty_and_waits_for_arrivals
     assert _finished(reader) == 2
 
 
+@pytest.mark.parametrize("lockstepped", [False, True])
+def test_a_warm_pass_prefills_every_request_untimed_uncounted_and_without_waiting(
+    lockstepped: bool,
+) -> None:
+    """ReplicaSetup.warm_pass_of: every token of every request goes through the mode's step
+    once, arrivals are ignored (the second request arrives after 30 s), nothing is counted
+    as finished, the timed totals start afresh, and the lockstep is used as the mode does."""
+    loop, reader = _loop([Request(0, 5, 0.0), Request(1, 9, 30.0)], max_tokens=8)
+    step = FakeStep(loop.log)
+    lockstep = SlowBarrier(0.0)
+    timed = SimpleNamespace(totals="a previous pass's")
+    setup = SimpleNamespace(
+        loop=loop, lockstep=lockstep, run_timeout=5.0, timed=timed, device=torch.device("cpu")
+    )
+    sizes: list[Any] = []
+    quiet_loop: list[Any] = []
+    original = ChunkLoop.run
+
+    def spy(self: ChunkLoop, step_fn: Any, steps_together: Any = None) -> Any:
+        quiet_loop.append(self)
+        sizes.append(steps_together)
+        return original(self, step_fn, None)
+
+    mode = SimpleNamespace(step=step, lockstepped=lockstepped)
+    started = time.monotonic()
+    ChunkLoop.run = spy  # type: ignore[method-assign]
+    try:
+        ReplicaSetup.warm_pass_of(setup, mode)  # type: ignore[arg-type]
+    finally:
+        ChunkLoop.run = original  # type: ignore[method-assign]
+    assert time.monotonic() - started < 5.0
+    seen = sorted(int(t) for entries, _ in step.calls for e in entries for t in _tokens(e))
+    assert seen == sorted([*range(5), *range(100, 109)])
+    assert _finished(reader) == 0
+    assert lockstep.barriers == ["start of the warm-up pass"]
+    assert sizes == [lockstep if lockstepped else None]
+    assert isinstance(timed.totals, LayerTimes)
+    assert quiet_loop[0] is not loop
+    assert loop.report  # the real loop still counts
+
+
 class RecordingEndpoint:
     """The innermost attention endpoint: records every dispatch and combine."""
 
@@ -225,6 +267,7 @@ def _setup(barrier_s: float = 0.0, combine_wait_s: float = 0.0, **more: Any) -> 
         "barriers": barriers,
         "loop": SimpleNamespace(log="the log"),
         "num_stages": 2,
+        "min_stage_tokens": 0,
         "expert_parallel": None,
     }
     return SimpleNamespace(**(fields | more))
@@ -251,11 +294,12 @@ def test_a_sync_step_waits_at_every_dispatch_and_counts_the_barriers_as_waiting(
 
 
 def test_an_async_step_runs_its_stages_over_the_timed_endpoint_without_barriers() -> None:
-    setup = _setup(combine_wait_s=0.003)
+    setup = _setup(combine_wait_s=0.003, min_stage_tokens=512)
     output, waited = AsyncMode(setup).step(["entry"], 0, KVCache())
     (call,) = setup.model.calls
     assert call["endpoint"] is setup.timed
     assert call["num_stages"] == 2
+    assert call["min_stage_tokens"] == 512
     assert (output, waited) == ("output", 0.003)
     assert setup.barriers.lockstep.barriers == []
     assert setup.timed.totals.barrier_s == 0.0

@@ -234,6 +234,26 @@ def test_a_stage_floor_above_every_step_runs_async_in_one_stage(tmp_path: Path) 
     assert items["two"] > items["one"]
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_warm_pass_runs_every_request_once_untimed_and_uncounted(
+    tmp_path: Path, mode: str
+) -> None:
+    """--warm-pass on (two replicas, so sync's lockstep runs the pass too): the outputs
+    verify, the report records the pass, and the mode counts exactly the FFN items and
+    requests a run without the pass does (the pass's are not in it)."""
+    runs = {}
+    for warm in ("on", "off"):
+        report = tmp_path / f"{warm}.json"
+        argv = [*SMALL, "--attention-ranks", "2", "--mode", mode, "--stages", "2"]
+        assert main([*argv, "--warm-pass", warm, "--json", str(report)]) == 0
+        runs[warm] = json.loads(report.read_text())
+        assert runs[warm]["verification_failures"] == {}
+        assert runs[warm]["deployment"]["warm_pass"] is (warm == "on")
+    on, off = (runs[w]["modes"][mode] for w in ("on", "off"))
+    assert on["breakdown"]["ffn_items"] == off["breakdown"]["ffn_items"]
+    assert len(on["ttft_s"]) == len(off["ttft_s"]) == 8
+
+
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="checks the message without a GPU"
 )

@@ -49,6 +49,8 @@ def _parsed(*argv: str) -> Any:
         ({"modes": ()}, "--mode : choose from async, sync, colocated"),
         ({"modes": ("async", "fast")}, "--mode async,fast: choose from async, sync, colocated"),
         ({"modes": ("sync", "sync")}, "--mode sync,sync: each mode once"),
+        ({"warm_pass": "maybe"}, "--warm-pass maybe: choose one of auto, on, off"),
+        ({"min_stage_tokens": -5}, "--min-stage-tokens must be >= 0 (0: always --stages)"),
         ({"ffn_graph_buckets": ()}, "--ffn-graph-buckets (): row counts >= 1, e.g. 1024,8192"),
         ({"ffn_graph_buckets": (0, 8)}, "--ffn-graph-buckets (0, 8): row counts >= 1"),
         (
@@ -70,6 +72,13 @@ def test_a_job_that_cannot_run_is_refused_naming_the_option(
         RunJob(**change)
     assert str(caught.value).startswith(message), str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_the_warm_pass_is_on_for_cuda_ranks_unless_asked_otherwise() -> None:
+    assert RunJob().warms_whole_workload("cuda:0")
+    assert not RunJob().warms_whole_workload("cpu")
+    assert RunJob(warm_pass="on").warms_whole_workload("cpu")
+    assert not RunJob(warm_pass="off").warms_whole_workload("cuda:1")
 
 
 def test_a_job_is_frozen_and_a_changed_copy_is_checked_again() -> None:

@@ -72,6 +72,8 @@ class Deployment:
     """The FFN ranks served from one CUDA graph of serve steps."""
     min_stage_tokens: int = 0
     """Async mode: fewer stages in steps under this many tokens per stage (0: none)."""
+    warm_pass: bool = False
+    """Every request was prefilled once, untimed, before the timed modes."""
 
     @property
     def workload_name(self) -> str:

@@ -27,7 +27,7 @@ from afd_tools.prefill.run_report import RunReport
 from afd_tools.prefill.workload import WorkloadError
 from afd_tools.run.api import execute
 from afd_tools.run.devices import COLOCATED
-from afd_tools.run.job import MODES, QUANT_TOLERANCE, TOLERANCE, RunJob
+from afd_tools.run.job import MODES, QUANT_TOLERANCE, TOLERANCE, WARM_PASS, RunJob
 from afd_tools.run.plan import prepare
 from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN
 
@@ -195,6 +195,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "device, the experts, the reply) from one CUDA graph, so no host work sits between "
         "an item's arrival and its reply; needs --backend triton, --transport nvshmem and "
         "--shared attention",
+    )
+    p.add_argument(
+        "--warm-pass",
+        choices=WARM_PASS,
+        default=DEFAULT.warm_pass,
+        help="prefill every request once, untimed, in the first mode before the timed modes, "
+        "so that no mode runs cold (auto: on cuda, where a process's first mode ran up to "
+        "1.4x slower at makespans under a second; off on cpu)",
     )
     p.add_argument(
         "--seed", type=int, default=DEFAULT.seed, help="seed for weights and the workload"

@@ -33,6 +33,7 @@ from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN
 MODES = ("async", "sync", "colocated")
 """The modes ``afd run`` compares, in the order they run."""
 DEVICES = ("auto", "cpu", "cuda")
+WARM_PASS = ("auto", "on", "off")
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 """Relative error a request's output may have against the monolithic reference, by dtype."""
 QUANT_TOLERANCE = 5e-2
@@ -109,6 +110,9 @@ class RunJob:
     ffn_graph: bool = False
     """FFN ranks: the whole serve loop (take an item, the experts, the reply) replayed from
     one CUDA graph (``afd_transport_nvshmem.graphed_ffn``; ``triton`` backend, ``nvshmem``)."""
+    warm_pass: str = "auto"
+    """Prefill every request once, untimed, before the timed modes: ``on``, ``off`` or
+    ``auto`` (on for cuda ranks; :meth:`warms_whole_workload`)."""
     # seeds and limits
     seed: int = 0
     """Seeds the weights and the workload."""
@@ -137,6 +141,7 @@ class RunJob:
         _choose("shared", self.shared, [s.value for s in SharedPlacement])
         _choose("wire_format", self.wire_format, [w.value for w in WireFormat])
         _choose("combine_reduce", self.combine_reduce, [c.value for c in CombineReduce])
+        _choose("warm_pass", self.warm_pass, WARM_PASS)
         if self.stages < 1:
             raise WorkloadError(f"--stages must be >= 1, got {self.stages}")
         if self.min_stage_tokens < 0:
@@ -241,11 +246,18 @@ class RunJob:
         }
         for name in ("dtype", "backend", "transport", "colocated"):
             values[name] = self.resolved(name)
+        values["warm_pass"] = self.warms_whole_workload(device)
         if self.workload_file is not None:
             values["workload_file"] = str(self.workload_file)
         if self.rate is not None:
             values["rate"] = float(self.rate)
         return Deployment(device=device, **values)
+
+    def warms_whole_workload(self, device: str) -> bool:
+        """Whether ranks on ``device`` (``cpu``, ``cuda``, ``cuda:N``) run the warm-up pass."""
+        if self.warm_pass == "auto":
+            return device.startswith("cuda")
+        return self.warm_pass == "on"
 
     def resolved(self, name: str) -> str:
         """The value of ``name`` (``dtype``, ``backend``, ``transport``, ``colocated``) once

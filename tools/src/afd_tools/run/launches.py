@@ -141,6 +141,7 @@ def _replica_spec(
             "device": device,
             "num_stages": job.stages,
             "min_stage_tokens": job.min_stage_tokens,
+            "warm_pass": job.warms_whole_workload(device),
             "progress": progress,
         },
     )

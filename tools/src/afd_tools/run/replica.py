@@ -29,6 +29,7 @@ module-level function, so it pickles by name).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,6 +130,8 @@ class ChunkLoop:
     """The rank, in words, for the orphan check while idle."""
     run_timeout: float = 0.0
     """How long a step-size exchange may wait for the other replicas."""
+    report: bool = True
+    """Whether finished requests are counted on :attr:`progress` (not in a warm-up pass)."""
 
     def warm_up_batches(self, largest_step: bool) -> list[list[torch.Tensor]]:
         """The untimed batches a rank runs before its first mode, so that no mode pays
@@ -226,7 +229,8 @@ class ChunkLoop:
             if chunk.final:  # the prompt's last token: its time to first token
                 result.done[chunk.request_id] = end
                 result.last_hidden[chunk.request_id] = last[row].clone()
-                self.progress.send_bytes(b"1")
+                if self.report:
+                    self.progress.send_bytes(b"1")
 
 
 @dataclass
@@ -253,6 +257,8 @@ class ReplicaSetup:
     run_timeout: float
     min_stage_tokens: int = 0
     """Async steps with under this many tokens per stage are cut into fewer stages."""
+    warm_pass: bool = False
+    """Whether :meth:`warm_up` also prefills every request once, untimed, in the first mode."""
 
     @classmethod
     def build(
@@ -272,6 +278,7 @@ class ReplicaSetup:
         device: str = "cpu",
         num_stages: int = 1,
         min_stage_tokens: int = 0,
+        warm_pass: bool = False,
     ) -> ReplicaSetup:
         """The replica on ``connection``: prefill ``requests`` (with ``seed``'s weights and
         prompts) in each of ``modes``, in steps of at most ``max_tokens`` tokens on
@@ -279,7 +286,8 @@ class ReplicaSetup:
         lockstep's pipes (:func:`afd_tools.run.lockstep.pipes`), ``progress`` gets a byte
         per finished request; ``timeout`` bounds every endpoint wait, ``run_timeout`` every
         wait for the other replicas; ``num_stages`` micro-batches are in flight in async
-        (fewer in a step with under ``min_stage_tokens`` tokens per stage)."""
+        (fewer in a step with under ``min_stage_tokens`` tokens per stage); ``warm_pass``:
+        :meth:`warm_up` also runs every request once, untimed, in the first mode."""
         torch_dtype = getattr(torch, connection.layout.dtype)
         where = rank_device(connection, device)
         weights = random_weights(seed, where)
@@ -335,13 +343,15 @@ class ReplicaSetup:
             num_stages,
             run_timeout,
             min_stage_tokens,
+            warm_pass,
         )
 
-    def warm_up(self) -> None:
+    def warm_up(self, first: ReplicaMode | None = None) -> None:
         """Run every path untimed at the small and the largest batch
         (:meth:`ChunkLoop.warm_up_batches`: allocations, first-call dispatch, kernel loads)
-        before anything is timed, then freeze the start-up heap (no full garbage collection
-        of it inside a mode)."""
+        before anything is timed; with :attr:`warm_pass`, then every request once in the
+        ``first`` mode (:meth:`warm_pass_of`); then freeze the start-up heap (no full
+        garbage collection of it inside a mode)."""
         batches = self.loop.warm_up_batches(largest_step=self.device.type == "cuda")
         for index, warm in enumerate(batches):
             if self.expert_parallel is not None:  # every rank pads to the same rows
@@ -353,7 +363,29 @@ class ReplicaSetup:
                 self.monolithic.forward(warm, compute_logits=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.warm_pass and first is not None:
+            self.warm_pass_of(first)
         freeze_heap()
+
+    def warm_pass_of(self, mode: ReplicaMode) -> None:
+        """Prefill every request once through ``mode``, untimed and uncounted (arrivals
+        ignored, no progress, the result dropped).
+
+        Why: on one H200 under MPS, with makespans under a second, the first timed mode of a
+        process ran its layers up to 1.4x slower than the same mode in a later position
+        (`afd run --mode all`: sync after async 38,597 tokens/s, sync first 27,561): the
+        largest step alone does not load everything a workload's steps use (continued
+        chunks, stage cuts, other sizes). After this pass every mode runs as a later one."""
+        quiet = dataclasses.replace(
+            self.loop,
+            requests=[dataclasses.replace(r, arrival=0.0) for r in self.loop.requests],
+            report=False,
+        )
+        self.lockstep.barrier(self.run_timeout, "start of the warm-up pass")
+        quiet.run(mode.step, self.lockstep if mode.lockstepped else None)
+        self.timed.totals = LayerTimes()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 class ReplicaMode:
@@ -506,7 +538,7 @@ def attention_replica(connection: Connection, **options: Any) -> dict[str, ModeR
     mode. ``options`` are :meth:`ReplicaSetup.build`'s (the launcher passes them by name)."""
     setup = ReplicaSetup.build(connection, **options)
     chosen = {name: replica_mode(name, setup) for name in setup.modes}
-    setup.warm_up()
+    setup.warm_up(next(iter(chosen.values())))
     out = {name: mode.run() for name, mode in chosen.items()}
     setup.endpoint.announce_shutdown()
     return out
