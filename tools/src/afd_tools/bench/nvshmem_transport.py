@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from afd_protocol import AttentionEndpoint, Role, SlotLayout, Topology
+from afd_protocol import AttentionEndpoint, Role, SlotLayout, Topology, plan_on_device
 from afd_protocol.launch import GPU_START_METHOD, RankSpec, launch
 from afd_protocol.window import WindowConnection, WindowOptions, WindowTransport
 from afd_tools.bench.identity_ffn import serve_identity, serve_identity_graphed
@@ -119,7 +119,7 @@ KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
 packed dispatch)."""
 PROFILED_MODES = ("device", "graphs")
 """The modes ``--profile`` profiles on the attention side (one file each)."""
-GRAPHED_MODES = frozenset({"graphs", "ffn-graph", "graphs-host-wait"})
+GRAPHED_MODES = frozenset({"graphs", "ffn-graph", "graphs-host-wait", "graphs-torch-plan"})
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
 of the NVSHMEM connection): 'graphs' in the kernel-publish launch, beside 'kern pub';
 'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too."""
@@ -340,7 +340,11 @@ def _endpoint(connection: WindowConnection, mode: str, options: WindowOptions) -
     the replies waited for inside the combine graph, but in 'graphs-host-wait')."""
     if mode in GRAPHED_MODES:
         make = connection.graphed_attention_endpoint  # type: ignore[attr-defined]
-        return make(options, wait_in_graph=mode != "graphs-host-wait")
+        kernels = None
+        if mode == "graphs-torch-plan":  # the device plan as afd_protocol's torch ops
+            own = connection.endpoint_kernels()  # type: ignore[attr-defined]
+            kernels = dataclasses.replace(own, device_plan=plan_on_device)
+        return make(options, wait_in_graph=mode != "graphs-host-wait", kernels=kernels)
     return connection.attention_endpoint(options)
 
 
@@ -587,6 +591,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
                 "kernel-publish": KERNEL_PUBLISH_MODE,
                 "graphs": KERNEL_PUBLISH_MODE,
                 "graphs-host-wait": KERNEL_PUBLISH_MODE,
+                "graphs-torch-plan": KERNEL_PUBLISH_MODE,
             },
             "profile": None if profile is None else str(profile),
         },
@@ -629,9 +634,10 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         f"of its own: host polls are a transport option); 'kern pub' = 'dev pack' with every "
         f"flag set by one publish kernel (a launch of its own, the transport option "
         f"publish='kernel'); 'graphs' = 'kern pub' with dispatch and combine replayed from "
-        f"CUDA graphs, each combine graph waiting for its replies on the device ('host "
-        f"wait': the host waits, then replays the combine; both interleaved with 'kern pub' "
-        f"in that launch); 'ffn graph' = 'graphs' "
+        f"CUDA graphs, each combine graph waiting for its replies on the device, the "
+        f"dispatch planned by the Triton kernels ('torch plan': by afd_protocol's torch ops; "
+        f"'host wait': the host waits, then replays the combine; all interleaved with 'kern "
+        f"pub' in that launch); 'ffn graph' = 'graphs' "
         f"with the FFN rank's serve loop replayed from one CUDA graph too (a launch of its "
         f"own). 'floor' = the rows there "
         f"and back at "
@@ -641,7 +647,8 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
-        f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'host wait':>9} {'ffn graph':>9} "
+        f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'torch plan':>10} {'host wait':>9} "
+        f"{'ffn graph':>9} "
         f"{'floor':>7} "
         f"{'floor/device':>12} "
         f"{'host/device':>11} "
@@ -653,13 +660,15 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         floor = nbytes / (floor_gbs * 1e9)
         report["layer"][f"floor/{n}"] = floor
         report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
-        modes = [*LAYER_MODES, "host", "kernel-publish", "graphs", "graphs-host-wait", "ffn-graph"]
+        modes = [*LAYER_MODES, "host", "kernel-publish", "graphs", "graphs-torch-plan"]
+        modes += ["graphs-host-wait", "ffn-graph"]
         ms = {m: times[f"{m}/{n}"] * 1e3 for m in modes}
         spread = _spread(times, f"device/{n}")
         print(
             f"  {n:6d} {ms['device']:8.2f} {ms['device-pack']:9.2f} {ms['torch-combine']:10.2f} "
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {ms['kernel-publish']:8.2f} "
-            f"{ms['graphs']:7.2f} {ms['graphs-host-wait']:9.2f} {ms['ffn-graph']:9.2f} "
+            f"{ms['graphs']:7.2f} {ms['graphs-torch-plan']:10.2f} "
+            f"{ms['graphs-host-wait']:9.2f} {ms['ffn-graph']:9.2f} "
             f"{floor * 1e3:7.2f} "
             f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11} "
             f"{nbytes / (NVLINK_GBS * 1e9) * 1e3:6.2f}"
@@ -709,7 +718,11 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{times.get(graphed + '/captures', float('nan')):11.0f} "
             f"{times.get(graphed + '/capture_s', float('nan')) * 1e3:14.2f}"
         )
-        for label, mode in (("(host wait)", "graphs-host-wait"), ("(ffn graph)", "ffn-graph")):
+        for label, mode in (
+            ("(torch plan)", "graphs-torch-plan"),
+            ("(host wait)", "graphs-host-wait"),
+            ("(ffn graph)", "ffn-graph"),
+        ):
             key = f"{mode}/{n}"
             print(
                 f"  {'':>6} {label:>19} {'':>9} "
