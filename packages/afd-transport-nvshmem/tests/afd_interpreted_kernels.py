@@ -262,9 +262,32 @@ def check_publish() -> None:
         publisher.publish("ring 0", [1], not_again)
 
 
+def check_fetch() -> None:
+    """The graphed dispatch's input fetch: three sources of different dtypes and sizes
+    (past one block, not a multiple of it) copied from their addresses, and the reference
+    (memmove) agreeing."""
+    from afd_transport_nvshmem.input_fetch import BLOCK, triton_fetch_inputs
+    from afd_transport_nvshmem.kernel_specs import reference_fetch_inputs
+
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (1, 3, BLOCK // 4 + 7):
+        sources = [
+            torch.randn(tokens, 48, generator=gen).to(torch.bfloat16),
+            torch.randint(0, 64, (tokens, 6), generator=gen),
+            torch.rand(tokens, 6, generator=gen),
+        ]
+        addresses = torch.tensor([t.data_ptr() for t in sources], dtype=torch.int64)
+        for fetch in (triton_fetch_inputs, reference_fetch_inputs):
+            out = [torch.full_like(t, 7) for t in sources]
+            fetch(addresses, out)
+            for want, got in zip(sources, out, strict=True):
+                assert torch.equal(want, got), (fetch.__name__, tokens, want.dtype)
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     check_publish()
+    check_fetch()
     uneven = Topology(1, 3, 10, placement=ExpertPlacement.contiguous(10, 3))  # 4 + 3 + 3
     cases = 0
     for topo in (Topology(1, 1, 8), Topology(1, 2, 16), uneven, Topology(1, 4, 64)):
@@ -286,7 +309,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             check_reduce(rows, hidden, topk, dtype)
             cases += 1
-    print(f"{cases + 1} interpreted kernel cases match their references")
+    print(f"{cases + 2} interpreted kernel cases match their references")
     return 0
 
 

@@ -53,6 +53,7 @@ from afd_transport_nvshmem.graphed_attention import (
     replayed_calls,
 )
 from afd_transport_nvshmem.graphed_ffn import ExpertStep, GraphedFFNServer, ServeGraphOptions
+from afd_transport_nvshmem.input_fetch import triton_fetch_inputs
 from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
 from afd_transport_nvshmem.kernel_specs import REFERENCE_KERNELS
 
@@ -181,8 +182,9 @@ def jobs_of(rounds: int, a: int, stages: int, experts: list[int] | None = None) 
 
 
 def attention_of(world: LoopbackWorld, rank: int, graphs: bool) -> KernelAttentionEndpoint:
-    """The kernel endpoint, or (``graphs``) the graphed one whose dispatch graphs plan with
-    the Triton device plan and whose combine graphs hold the Triton wait kernel (run by the
+    """The kernel endpoint, or (``graphs``) the graphed one whose dispatch graphs fetch their
+    inputs and plan with the Triton kernels and whose combine graphs hold the Triton wait
+    kernel (run by the
     interpreter, like the FFN side's kernels; the eager endpoint plans with the torch
     reference)."""
     transport = world.transport(Role.ATTENTION, rank)
@@ -191,7 +193,9 @@ def attention_of(world: LoopbackWorld, rank: int, graphs: bool) -> KernelAttenti
     return GraphedAttentionEndpoint(
         transport,
         FAST,
-        dataclasses.replace(REFERENCE_KERNELS, device_plan=triton_plan_on_device),
+        dataclasses.replace(
+            REFERENCE_KERNELS, device_plan=triton_plan_on_device, fetch_inputs=triton_fetch_inputs
+        ),
         capture=replayed_calls,
         combine_wait=kernel_combine_wait,
     )

@@ -8,6 +8,7 @@ least-recently-used bound; the fallbacks. (CUDA graphs themselves: the GPU test.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +129,47 @@ def test_replayed_layers_equal_the_eager_kernel_endpoint_bitwise(
         assert torch.equal(eager, replayed)
         expected = experts.reference(layer, x, ids, w, shared == "ffn")
         torch.testing.assert_close(replayed.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fetch", [True, False])
+def test_inputs_are_fetched_by_address_or_copied_when_they_cannot_be(fetch: bool) -> None:
+    """With a fetch kernel the dispatch graph reads each layer's inputs at their addresses:
+    contiguous ones directly, a strided view of hidden states through a copy the host makes
+    first; without one, the host copies all three. Either way every output equals the
+    eager endpoint's."""
+    layout = layout_of("per_rank", "ffn", a=1, f=2, tokens=32)
+    base = jobs_of([9] * 8)
+    jobs = []
+    for i, (layer, x, ids, w) in enumerate(base):
+        if i == 1:  # the captured one (the first use is eager): dense but column-major
+            x = x.t().contiguous().t()
+            assert not x.is_contiguous()
+        elif i % 3 == 2:  # the same values as a strided view (every other column of a wider one)
+            wide = torch.zeros(x.shape[0], 2 * x.shape[1], dtype=x.dtype)
+            wide[:, ::2] = x
+            x = wide[:, ::2]
+            assert not x.is_contiguous()
+        jobs.append((layer, x, ids, w))
+    kernels = REFERENCE_KERNELS
+    if not fetch:
+        kernels = dataclasses.replace(REFERENCE_KERNELS, fetch_inputs=None)
+    results = []
+    for graphed in (False, True):
+        world = LoopbackWorld(layout.window(ring_depth=1))
+        transport = world.transport(Role.ATTENTION, 0)
+        ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(2)]
+        attention: KernelAttentionEndpoint
+        if graphed:
+            attention = GraphedAttentionEndpoint(transport, FAST, kernels, capture=replayed_calls)
+        else:
+            attention = KernelAttentionEndpoint(transport, FAST, REFERENCE_KERNELS)
+        results.append(run_layers(world, attention, ffns, jobs, stages=1))
+        if graphed:
+            assert isinstance(attention, GraphedAttentionEndpoint)
+            assert attention.replays >= 4
+        attention.close()
+    for eager, replayed in zip(*results, strict=True):
+        assert torch.equal(eager, replayed)
 
 
 def test_the_least_recently_used_token_count_is_dropped_and_captured_again() -> None:

@@ -376,3 +376,22 @@ def test_the_device_plan_kernels_compile(per_rank: bool) -> None:
         },
         {**shape, **ranks, "ORDER": True},
     )
+
+
+def test_the_input_fetch_compiles_to_loads_from_addresses_read_at_run_time() -> None:
+    from afd_transport_nvshmem import input_fetch
+
+    compiled = _compile(
+        input_fetch._fetch_kernel,
+        {
+            "sources": "*i64",
+            "dst0": "*i16",
+            "dst1": "*i16",
+            "dst2": "*i16",
+            "n0": "i32",
+            "n1": "i32",
+            "n2": "i32",
+        },
+        {"BLOCK": input_fetch.BLOCK},
+    )
+    assert "ld.global" in compiled.asm["ptx"]

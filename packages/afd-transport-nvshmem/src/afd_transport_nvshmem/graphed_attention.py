@@ -292,6 +292,14 @@ class _LayerGraphs:
     bounds_host: torch.Tensor
     """int64 ``[2]``, page-locked: the smallest and largest expert id, read back."""
     publish: PublishBlock
+    sources_host: torch.Tensor | None = None
+    """int64 ``[3]``, page-locked: the addresses of the next dispatch's hidden states, ids
+    and weights, which the dispatch graph fetches (``None``: the kernels have no fetch, so
+    the host copies them in)."""
+    sources: Any = None
+    """A ``ctypes`` int64 array over :attr:`sources_host`."""
+    sources_device: torch.Tensor | None = None
+    """int64 ``[3]`` on the device: :attr:`sources_host` as the fetch kernel reads it."""
     dispatch: Replay | None = None
     plan: DevicePlan | None = None
     """The captured plan: its tensors hold the last replay's values."""
@@ -385,9 +393,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             super()._send(handle, hidden_states)
             return
         entry = self._layer_graphs(num_tokens, handle.ring, hidden_states, handle)
-        entry.hidden.copy_(hidden_states)
-        entry.topk_ids.copy_(handle.topk_ids)
-        entry.topk_weights.copy_(handle.topk_weights)
+        self._stage_inputs(entry, (hidden_states, handle.topk_ids, handle.topk_weights))
         headers = self._packed_headers(handle)
         entry.fixed_words[:] = fixed_words(headers)
         entry.publish.write([h.seq for h in headers])
@@ -408,6 +414,28 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             entry.plan.token_row_offsets if self._reduced_replies else entry.plan.segment_offsets
         )
         self._expect(handle, headers)
+
+    def _stage_inputs(self, entry: _LayerGraphs, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Where the dispatch graph reads the layer's hidden states, ids and weights from:
+        their addresses, fetched inside the graph (no host launch), or -- without a fetch
+        kernel, or for an input that is not contiguous -- copies into the graph's own
+        buffers (whose addresses the fetch then reads: a copy onto itself)."""
+        owned = (entry.hidden, entry.topk_ids, entry.topk_weights)
+        if entry.sources is None:
+            for mine, theirs in zip(owned, inputs, strict=True):
+                mine.copy_(theirs)
+            return
+        for index, (mine, theirs) in enumerate(zip(owned, inputs, strict=True)):
+            same = (theirs.dtype, theirs.shape, theirs.device) == (
+                mine.dtype,
+                mine.shape,
+                mine.device,
+            )
+            if same and theirs.is_contiguous():
+                entry.sources[index] = theirs.data_ptr()
+            else:
+                mine.copy_(theirs)
+                entry.sources[index] = mine.data_ptr()
 
     def _replays_into(self, plan: WireOrder) -> bool:
         """Whether ``plan`` is a graph's (its tensors hold that graph's last replay)."""
@@ -433,9 +461,12 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             words = self._topology.num_ffn_ranks * HEADER_FIXED_WORDS
             fixed = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
             entry = _LayerGraphs(
-                hidden=torch.empty_like(hidden),
-                topk_ids=torch.empty_like(handle.topk_ids),
-                topk_weights=torch.empty_like(handle.topk_weights),
+                # Dense row-major whatever the caller's layout (the fetch copies bytes).
+                hidden=torch.empty_like(hidden, memory_format=torch.contiguous_format),
+                topk_ids=torch.empty_like(handle.topk_ids, memory_format=torch.contiguous_format),
+                topk_weights=torch.empty_like(
+                    handle.topk_weights, memory_format=torch.contiguous_format
+                ),
                 fixed_host=fixed,
                 fixed_words=(ctypes.c_int32 * words).from_address(fixed.data_ptr()),
                 bounds_host=torch.zeros(2, dtype=torch.int64, pin_memory=on_gpu),
@@ -445,6 +476,11 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 ),
                 bounds_ready=torch.Event(device=self.device) if on_gpu else None,
             )
+            if self._kernels.fetch_inputs is not None:
+                sources = torch.zeros(3, dtype=torch.int64, pin_memory=on_gpu)
+                entry.sources_host = sources
+                entry.sources = (ctypes.c_int64 * 3).from_address(sources.data_ptr())
+                entry.sources_device = torch.zeros(3, dtype=torch.int64, device=self.device)
             entry.publish.prepare()
             rings[ring] = entry
         return entry
@@ -453,7 +489,14 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         slot = self._slot
         fixed_device = self._fixed_words[ring].view(-1)
 
+        fetch = self._kernels.fetch_inputs
+
         def body() -> tuple[DevicePlan, torch.Tensor]:
+            if fetch is not None:
+                assert entry.sources_device is not None
+                assert entry.sources_host is not None
+                entry.sources_device.copy_(entry.sources_host, non_blocking=True)
+                fetch(entry.sources_device, [entry.hidden, entry.topk_ids, entry.topk_weights])
             fixed_device.copy_(entry.fixed_host, non_blocking=True)
             plan = self._kernels.device_plan(
                 entry.topk_ids,

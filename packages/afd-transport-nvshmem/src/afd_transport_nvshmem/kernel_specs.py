@@ -49,6 +49,7 @@ batch reduced on the FFN side can always be packed on the device.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -253,6 +254,25 @@ def _reference_token_rows(
     return rows, tokens
 
 
+InputFetch = Callable[[torch.Tensor, list[torch.Tensor]], None]
+"""``fetch(sources, destinations)``: copy into each contiguous destination as many bytes
+from the address in ``sources`` (int64 ``[len(destinations)]`` on the destinations'
+device), on the current stream (:mod:`afd_transport_nvshmem.input_fetch`)."""
+
+
+def reference_fetch_inputs(sources: torch.Tensor, destinations: list[torch.Tensor]) -> None:
+    """:data:`InputFetch` on the CPU with ``memmove`` (the addresses must be host memory:
+    the CPU tests' fetch; a GPU uses the Triton kernel's)."""
+    if sources.device.type != "cpu":
+        raise ValueError(
+            "the reference fetch reads host addresses; on a GPU use the Triton kernels' "
+            "fetch (afd_transport_nvshmem.kernels.triton_kernels)"
+        )
+    for address, destination in zip(sources.tolist(), destinations, strict=True):
+        size = destination.numel() * destination.element_size()
+        ctypes.memmove(destination.data_ptr(), address, size)
+
+
 @dataclass(frozen=True)
 class WindowKernels:
     """The device kernels one kind of hardware offers the window endpoints.
@@ -269,9 +289,16 @@ class WindowKernels:
     device_plan: DevicePlanner = plan_on_device
     """Plans a packed dispatch on the device (the torch reference by default; the Triton
     kernels' is three launches, where the reference is ~15-35 small ones)."""
+    fetch_inputs: InputFetch | None = None
+    """Copies a graphed dispatch's inputs from their addresses inside the graph (``None``:
+    the graphed endpoint copies them with three host launches)."""
 
 
 REFERENCE_KERNELS = WindowKernels(
-    reference_fused_combine, reference_device_pack, reference_reduce_partials, plan_on_device
+    reference_fused_combine,
+    reference_device_pack,
+    reference_reduce_partials,
+    plan_on_device,
+    reference_fetch_inputs,
 )
 """The torch references as kernels: the kernel endpoint's logic, testable on any device."""
