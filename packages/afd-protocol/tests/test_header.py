@@ -23,6 +23,7 @@ from afd_protocol import (
     checksum,
     crc_columns,
     decode_header,
+    encode_fixed_words,
     encode_header,
     encode_words,
 )
@@ -112,6 +113,16 @@ def test_encode_decode_round_trips(h: Header) -> None:
     field = torch.zeros(h.num_words + 7, dtype=torch.int32)
     field[: h.num_words] = encode_header(h)
     assert decode_header(field, limits_for(h)) == h
+
+
+@given(headers())
+def test_the_fixed_words_are_the_encoded_header_before_its_counts_unsealed(h: Header) -> None:
+    """encode_fixed_words: what a pack kernel completes (it appends the counts and writes
+    the checksum): the encoded header's first words with CHECKSUM 0."""
+    words = encode_words(h)
+    fixed = encode_fixed_words(h)
+    assert fixed == [*words[: Word.CHECKSUM], 0]
+    assert len(fixed) == HEADER_FIXED_WORDS
 
 
 @given(headers(), st.data())
@@ -256,8 +267,10 @@ def test_words_outside_int32_are_rejected_on_decode_and_encode() -> None:
     words[Word.LAYER] = 1 << 32  # the same low 32 bits as 0: only the range check sees it
     with pytest.raises(ProtocolError, match="LAYER=4294967296, expected a value that fits"):
         decode_header(words)
-    with pytest.raises(ProtocolError, match="does not fit in int32"):
+    with pytest.raises(ProtocolError, match=r"EXPERT_COUNTS\[0\]=2147483648 does not fit"):
         encode_words(Header(MessageKind.DISPATCH, 0, 0, 0, 1, 0, 0, seq=1, expert_counts=(2**31,)))
+    with pytest.raises(ProtocolError, match="header word SEQ=2147483648 does not fit in int32"):
+        encode_fixed_words(Header(MessageKind.DISPATCH, 0, 0, 0, 1, 0, 0, seq=2**31))
 
 
 def test_semantic_checks_hold_even_with_a_valid_checksum() -> None:

@@ -38,7 +38,7 @@ from afd_protocol import (
     WireOrder,
     check_expert_bounds,
     constant_index,
-    encode_words,
+    encode_fixed_words,
 )
 from afd_protocol.window import (
     ExpectedReply,
@@ -287,7 +287,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
 
 def fixed_words(headers: list[Header]) -> list[int]:
     """The words before the counts of every header, concatenated (``[F * FIXED]``)."""
-    return [w for header in headers for w in encode_words(header)[:HEADER_FIXED_WORDS]]
+    return [w for header in headers for w in encode_fixed_words(header)]
 
 
 class KernelWindowConnection(WindowConnection):

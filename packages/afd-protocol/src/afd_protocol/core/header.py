@@ -215,30 +215,41 @@ def _to_int32(value: int) -> int:
     return value - (1 << 32) if value >= (1 << 31) else value
 
 
-def encode_words(header: Header) -> list[int]:
-    """Header -> int32 word values (as Python ints in int32 range)."""
-    fixed = {
-        Word.MAGIC: MAGIC,
-        Word.VERSION: PROTOCOL_VERSION,
-        Word.KIND: int(header.kind),
-        Word.SRC_RANK: header.src_rank,
-        Word.LAYER: header.layer,
-        Word.STAGE: header.stage,
-        Word.NUM_TOKENS: header.num_tokens,
-        Word.ROUTED_ROWS: header.routed_rows,
-        Word.SHARED_ROWS: header.shared_rows,
-        Word.FLAGS: header.flags,
-        Word.SEQ: header.seq,
-        Word.ANSWER_SEQ: header.answer_seq,
-        Word.NUM_COUNTS: len(header.expert_counts),
-        Word.CHECKSUM: 0,
-    }
-    words = [fixed[w] for w in Word] + list(header.expert_counts)
+def encode_fixed_words(header: Header) -> list[int]:
+    """The header's fixed words (everything before the counts), the CHECKSUM word 0: what
+    a device that appends the counts and computes the checksum itself needs (a packed
+    dispatch's pack kernel), without the counts and the CRC on the host."""
+    words = [
+        MAGIC,
+        PROTOCOL_VERSION,
+        int(header.kind),
+        header.src_rank,
+        header.layer,
+        header.stage,
+        header.num_tokens,
+        header.routed_rows,
+        header.shared_rows,
+        header.flags,
+        header.seq,
+        header.answer_seq,
+        len(header.expert_counts),
+        0,
+    ]
     outside = _first_outside_int32(words)
     if outside is not None:
         raise ProtocolError(
             f"header word {_word_name(outside[0])}={outside[1]} does not fit in int32"
         )
+    return words
+
+
+def encode_words(header: Header) -> list[int]:
+    """Header -> int32 word values (as Python ints in int32 range)."""
+    words = encode_fixed_words(header) + list(header.expert_counts)
+    outside = _first_outside_int32(words[HEADER_FIXED_WORDS:])
+    if outside is not None:
+        index = HEADER_FIXED_WORDS + outside[0]
+        raise ProtocolError(f"header word {_word_name(index)}={outside[1]} does not fit in int32")
     words[Word.CHECKSUM] = _to_int32(checksum(words))
     return words
 
