@@ -248,9 +248,8 @@ def stage_count(num_tokens: int, num_stages: int, min_stage_tokens: int = 0) -> 
     Why a floor: a stage's fixed costs (its kernel launches, its exchange per MoE layer)
     do not shrink with its tokens, so cutting a small step only multiplies them. On one
     H200 under MPS, v2-lite's attention took 3.3 ms per MoE layer for a 512-token stage and
-    3.0 ms for the whole 1,024-token step, so two stages made async 0.57-0.77x sync
-    (``docs/benchmarks.md``). vLLM's dual-batch overlap keeps a threshold of its own for the
-    same reason.
+    3.0 ms for the whole 1,024-token step (``docs/benchmarks.md``). vLLM's dual-batch
+    overlap keeps a threshold of its own for the same reason.
     """
     if num_stages < 1:
         raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
