@@ -215,8 +215,9 @@ def test_colocated_dp_ep_exchanges_tokens_between_all_processes_and_verifies(
 
 def test_a_stage_floor_above_every_step_runs_async_in_one_stage(tmp_path: Path) -> None:
     """--stages 2 --min-stage-tokens 1000 on steps of at most 64 tokens: every step stays
-    whole, so the FFN ranks serve exactly as many items as with --stages 1 (and the outputs
-    verify); the report records the floor."""
+    whole, so the attention rank dispatches exactly as many MoE layers as with --stages 1
+    (the breakdown's count, not the FFN items, which are counted by a time window) and the
+    outputs verify; the report records the floor."""
     items = {}
     for name, extra in {
         "floor": ["--stages", "2", "--min-stage-tokens", "1000"],
@@ -227,7 +228,7 @@ def test_a_stage_floor_above_every_step_runs_async_in_one_stage(tmp_path: Path) 
         assert main([*SMALL, "--mode", "async", *extra, "--json", str(report)]) == 0
         data = json.loads(report.read_text())
         assert data["verification_failures"] == {}
-        items[name] = data["modes"]["async"]["breakdown"]["ffn_items"]
+        items[name] = data["modes"]["async"]["breakdown"]["moe_layers"]
         floor = 1000 if name == "floor" else 0
         assert data["deployment"]["min_stage_tokens"] == floor
     assert items["floor"] == items["one"]
@@ -239,7 +240,7 @@ def test_a_warm_pass_runs_every_request_once_untimed_and_uncounted(
     tmp_path: Path, mode: str
 ) -> None:
     """--warm-pass on (two replicas, so sync's lockstep runs the pass too): the outputs
-    verify, the report records the pass, and the mode counts exactly the FFN items and
+    verify, the report records the pass, and the mode counts exactly the MoE layers and
     requests a run without the pass does (the pass's are not in it)."""
     runs = {}
     for warm in ("on", "off"):
@@ -250,7 +251,7 @@ def test_a_warm_pass_runs_every_request_once_untimed_and_uncounted(
         assert runs[warm]["verification_failures"] == {}
         assert runs[warm]["deployment"]["warm_pass"] is (warm == "on")
     on, off = (runs[w]["modes"][mode] for w in ("on", "off"))
-    assert on["breakdown"]["ffn_items"] == off["breakdown"]["ffn_items"]
+    assert on["breakdown"]["moe_layers"] == off["breakdown"]["moe_layers"]
     assert len(on["ttft_s"]) == len(off["ttft_s"]) == 8
 
 
