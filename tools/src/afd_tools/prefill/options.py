@@ -68,8 +68,9 @@ def add_wire_options(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="async mode: cut a step into fewer stages where it has under N tokens per "
-        "stage (a stage's fixed costs do not shrink with its tokens; on one H200, 512-token "
-        "stages made async slower than sync); 0 (default): always --stages",
+        "stage (a stage's fixed costs do not shrink with its tokens: on one H200 a 512-token "
+        "stage of v2-lite's attention took 3.3 ms per MoE layer, the whole 1,024-token step "
+        "3.0); 0 (default): always --stages",
     )
     p.add_argument(
         "--shared",
