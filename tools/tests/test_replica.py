@@ -25,6 +25,7 @@ from afd_tools.run.replica import (
     ChunkLoop,
     ColocatedMode,
     ExpertParallelMode,
+    ModeResult,
     ReplicaMode,
     ReplicaSetup,
     SyncMode,
@@ -436,3 +437,27 @@ def test_on_a_cpu_a_step_waits_for_the_hosts_seconds_in_combine() -> None:
     setup = _setup(combine_wait_s=0.5)
     _, waited = AsyncMode(setup).step(["entry"], 0, KVCache())
     assert waited == 0.5  # the host's clock is the CPU's timeline
+
+
+def test_run_phases_split_a_launch_at_its_first_mode_start_and_last_request_end() -> None:
+    """Two replicas, two modes: start-up runs to the earliest mode start, the modes to the
+    latest request end (origin + done), the stop to the launch's end; a launch whose
+    replicas ran no mode is all start-up."""
+    from afd_tools.run.api import RunPhases
+
+    def result(origin: float, done: dict[int, float]) -> ModeResult:
+        return ModeResult(origin=origin, done=done)
+
+    values = [
+        {"async": result(10.0, {0: 1.0}), "sync": result(12.0, {0: 0.5, 1: 2.5})},
+        {"async": result(10.5, {2: 1.0}), "sync": result(12.0, {})},
+    ]
+    phases = RunPhases()
+    phases.add_launch(7.0, (["async", "sync"], [], values, []), 15.0)
+    assert (phases.start_s, phases.modes_s, phases.stop_s) == (3.0, 4.5, 0.5)
+    phases.add_launch(20.0, (["async"], [], [{}], []), 21.5)
+    assert phases.start_s == 4.5
+    phases.verification_s = 2.25
+    assert phases.describe() == (
+        "start-up and warm-up 4.5 s, modes 4.5 s, stop 0.5 s, verification 2.2 s"
+    )

@@ -41,6 +41,15 @@ def test_all_modes_verify_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "PASS: every request's final hidden state matches" in out
     assert "async/sync tokens/s" in out
+    took = re.search(
+        r"; (\d+) s \(start-up and warm-up ([\d.]+) s, modes ([\d.]+) s, stop ([\d.]+) s, "
+        r"verification ([\d.]+) s\)$",
+        out.strip().splitlines()[-1],
+    )
+    assert took is not None, out.strip().splitlines()[-1]
+    total, *phases = (float(v) for v in took.groups())
+    assert sum(phases) <= total + 1.0  # each rounded to 0.1 s, the total to 1 s
+    assert phases[0] > 0.0  # the ranks take time to start
     data = json.loads(report.read_text())
     assert set(data["modes"]) == {"async", "sync", "colocated"}
     for summary in data["modes"].values():

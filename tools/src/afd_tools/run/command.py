@@ -276,10 +276,11 @@ def run_and_print(job: RunJob) -> tuple[int, RunReport | None]:
         print("afd run: interrupted; every rank process was stopped", file=sys.stderr)
         return 130, None
     elapsed = time.perf_counter() - started
+    took = f"{elapsed:.0f} s ({result.phases.describe()})"
     if not result.passed:
-        print(f"{result.verdict.fail_line()}; {elapsed:.0f} s")
+        print(f"{result.verdict.fail_line()}; {took}")
         return 1, report
-    print(f"{result.verdict.pass_line()}; {elapsed:.0f} s")
+    print(f"{result.verdict.pass_line()}; {took}")
     return 0, report
 
 
