@@ -300,6 +300,11 @@ class _LayerGraphs:
     """A ``ctypes`` int64 array over :attr:`sources_host`."""
     sources_device: torch.Tensor | None = None
     """int64 ``[3]`` on the device: :attr:`sources_host` as the fetch kernel reads it."""
+    fetched: tuple[torch.Tensor, ...] = ()
+    """The tensors at :attr:`sources_host`'s addresses, held until this entry's next
+    dispatch (its ring was combined by then, so the graph has read them): the caller may
+    drop its own references, or allocate them on another stream, as soon as
+    ``dispatch()`` returns."""
     dispatch: Replay | None = None
     plan: DevicePlan | None = None
     """The captured plan: its tensors hold the last replay's values."""
@@ -425,17 +430,17 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             for mine, theirs in zip(owned, inputs, strict=True):
                 mine.copy_(theirs)
             return
+        fetched = []
         for index, (mine, theirs) in enumerate(zip(owned, inputs, strict=True)):
             same = (theirs.dtype, theirs.shape, theirs.device) == (
                 mine.dtype,
                 mine.shape,
                 mine.device,
             )
-            if same and theirs.is_contiguous():
-                entry.sources[index] = theirs.data_ptr()
-            else:
-                mine.copy_(theirs)
-                entry.sources[index] = mine.data_ptr()
+            source = theirs if same and theirs.is_contiguous() else mine.copy_(theirs)
+            entry.sources[index] = source.data_ptr()
+            fetched.append(source)
+        entry.fetched = tuple(fetched)
 
     def _replays_into(self, plan: WireOrder) -> bool:
         """Whether ``plan`` is a graph's (its tensors hold that graph's last replay)."""

@@ -9,8 +9,9 @@ with three host launches copying the layer's hidden states, expert ids and weigh
 the graph's buffers (about 13 µs of host time each on one H200). Instead the host writes
 the three source addresses into page-locked memory; the graph copies them to the device
 (one memcpy node) and ``_fetch_kernel`` copies the bytes (one kernel node). Sources must
-be contiguous and stay alive until the replay ran; the endpoint guarantees both (it keeps
-the layer's tensors until the combine, and copies a non-contiguous input itself).
+be contiguous and stay alive until the replay ran; the endpoint guarantees both (it copies
+a non-contiguous input into the graph's own buffer, and holds every fetched tensor until
+the graph's next dispatch, after its ring was combined).
 """
 
 from __future__ import annotations

@@ -39,6 +39,40 @@ from afd_tools.run.sharing import describe_sharing
 from afd_tools.run.verify import Checks, Verdict, verify
 
 
+@dataclass
+class RunPhases:
+    """Where an ``afd run``'s wall time went, in seconds, summed over its launches: from a
+    launch's start to its first mode's start on any replica (process start-up, the
+    transport, the models, the warm-up), the modes (to the last request's end), from there
+    to the launch's end (shutdown), and the verification. The ranks' mode starts are
+    ``time.monotonic()`` in their processes, the same clock on Linux."""
+
+    start_s: float = 0.0
+    modes_s: float = 0.0
+    stop_s: float = 0.0
+    verification_s: float = 0.0
+
+    def add_launch(self, launched: float, outcome: Outcome, ended: float) -> None:
+        """Add one launch, begun at ``launched`` and ended at ``ended`` (monotonic)."""
+        group_modes, _, values, _ = outcome
+        results = [replica[mode] for replica in values for mode in group_modes if mode in replica]
+        if not results:
+            self.start_s += ended - launched
+            return
+        first = min(r.origin for r in results)
+        last = max(r.origin + max(r.done.values(), default=0.0) for r in results)
+        self.start_s += first - launched
+        self.modes_s += last - first
+        self.stop_s += ended - last
+
+    def describe(self) -> str:
+        """``start-up and warm-up 9.1 s, modes 2.0 s, stop 0.4 s, verification 5.2 s``."""
+        return (
+            f"start-up and warm-up {self.start_s:.1f} s, modes {self.modes_s:.1f} s, stop "
+            f"{self.stop_s:.1f} s, verification {self.verification_s:.1f} s"
+        )
+
+
 @dataclass(frozen=True)
 class RunResult:
     """What :func:`execute` measured: the report, and what it was made from."""
@@ -48,7 +82,7 @@ class RunResult:
     """Every request's check (:meth:`Verdict.pass_line` / :meth:`Verdict.fail_line`)."""
     outcomes: list[Outcome]
     """Per launch: modes, requests, per-replica results by mode, FFN intervals."""
-    phases: RunPhases = field(default_factory=lambda: RunPhases())
+    phases: RunPhases = field(default_factory=RunPhases)
     """Where the run's wall time went."""
 
     @property
@@ -96,40 +130,6 @@ def execute(plan: RunPlan, on_request: Callable[[], None] | None = None) -> RunR
         args=job.as_args(),
     )
     return RunResult(report, verdict, outcomes, phases)
-
-
-@dataclass
-class RunPhases:
-    """Where an ``afd run``'s wall time went, in seconds, summed over its launches: from a
-    launch's start to its first mode's start on any replica (process start-up, the
-    transport, the models, the warm-up), the modes (to the last request's end), from there
-    to the launch's end (shutdown), and the verification. The ranks' mode starts are
-    ``time.monotonic()`` in their processes, the same clock on Linux."""
-
-    start_s: float = 0.0
-    modes_s: float = 0.0
-    stop_s: float = 0.0
-    verification_s: float = 0.0
-
-    def add_launch(self, launched: float, outcome: Outcome, ended: float) -> None:
-        """Add one launch, begun at ``launched`` and ended at ``ended`` (monotonic)."""
-        group_modes, _, values, _ = outcome
-        results = [replica[mode] for replica in values for mode in group_modes if mode in replica]
-        if not results:
-            self.start_s += ended - launched
-            return
-        first = min(r.origin for r in results)
-        last = max(r.origin + max(r.done.values(), default=0.0) for r in results)
-        self.start_s += first - launched
-        self.modes_s += last - first
-        self.stop_s += ended - last
-
-    def describe(self) -> str:
-        """``start-up and warm-up 9.1 s, modes 2.0 s, stop 0.4 s, verification 5.2 s``."""
-        return (
-            f"start-up and warm-up {self.start_s:.1f} s, modes {self.modes_s:.1f} s, stop "
-            f"{self.stop_s:.1f} s, verification {self.verification_s:.1f} s"
-        )
 
 
 def placement_record(placement: Placement, shares: dict[str, int]) -> dict[str, Any]:
