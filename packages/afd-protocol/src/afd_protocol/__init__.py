@@ -54,6 +54,7 @@ from afd_protocol.core.errors import (
     TopologyError,
     TransportUnavailable,
 )
+from afd_protocol.core.extents import Extent, ExtentRule, extent_rules, used_extents
 from afd_protocol.core.header import (
     FLAG_ABORT,
     FLAG_ROWS_PER_TOKEN,
@@ -172,6 +173,8 @@ __all__ = [
     "DispatchPlan",
     "EndpointOptions",
     "ExpertPlacement",
+    "Extent",
+    "ExtentRule",
     "FFNEndpoint",
     "FieldSpec",
     "Header",
@@ -227,6 +230,7 @@ __all__ = [
     "encode_header",
     "encode_words",
     "expert_ids_from_counts",
+    "extent_rules",
     "freeze_heap",
     "get_transport",
     "keeping_constants",
@@ -244,5 +248,6 @@ __all__ = [
     "supervisor_from_env",
     "torch_dtype",
     "transport_names",
+    "used_extents",
     "wire_table",
 ]
