@@ -284,10 +284,57 @@ def check_fetch() -> None:
                 assert torch.equal(want, got), (fetch.__name__, tokens, want.dtype)
 
 
+def check_put_extents() -> int:
+    """The put path's extent kernel (its COPY variant: loads and stores where a GPU puts)
+    against reference_put_extents: both wire formats, shared rows, empty messages, counts
+    past a field's capacity and negative ones; two destinations with different headers.
+    Returns the number of cases."""
+    from afd_protocol import SlotLayout, Word
+    from afd_transport_nvshmem.put_path import copy_extents, reference_put_extents
+
+    gen = torch.Generator().manual_seed(11)
+    cases = 0
+    for wire in ("per_choice", "per_rank"):
+        topo = Topology(2, 2, 8)
+        slot = SlotLayout(
+            topo, 48, 40, 3, dtype="bfloat16", shared_placement="ffn", wire_format=wire
+        )
+        window = slot.window(ring_depth=2)
+        for counts in ((0, 0, 0), (1, 1, 1), (40, 37, 20), (40, 10**6, 10**6), (-3, 5, -1)):
+            staging = [
+                torch.randint(0, 256, (window.total_bytes,), generator=gen, dtype=torch.uint8)
+                for _ in range(2)
+            ]
+            slot_offset = window.slot_offset(1, 1)
+            for d, buffer in enumerate(staging):
+                header = buffer[slot_offset : slot_offset + 4 * slot.header_words].view(torch.int32)
+                tokens, routed, shared = counts
+                header[Word.NUM_TOKENS] = tokens
+                header[Word.ROUTED_ROWS] = routed - d  # the two destinations differ
+                header[Word.SHARED_ROWS] = shared
+                header[Word.NUM_COUNTS] = slot.header_words - HEADER_FIXED_WORDS
+            got = [torch.full_like(b, 0xFF) for b in staging]
+            want = [torch.full_like(b, 0xFF) for b in staging]
+            copy_extents(
+                [b.data_ptr() for b in staging],
+                [g.data_ptr() for g in got],
+                window,
+                slot_offset,
+                torch.device("cpu"),
+            )
+            for source, target in zip(staging, want, strict=True):
+                reference_put_extents(source, target, window, slot_offset)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), (wire, counts)
+            cases += 1
+    return cases
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     check_publish()
     check_fetch()
+    put_cases = check_put_extents()
     uneven = Topology(1, 3, 10, placement=ExpertPlacement.contiguous(10, 3))  # 4 + 3 + 3
     cases = 0
     for topo in (Topology(1, 1, 8), Topology(1, 2, 16), uneven, Topology(1, 4, 64)):
@@ -309,7 +356,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             check_reduce(rows, hidden, topk, dtype)
             cases += 1
-    print(f"{cases + 2} interpreted kernel cases match their references")
+    print(f"{cases + 2 + put_cases} interpreted kernel cases match their references")
     return 0
 
 

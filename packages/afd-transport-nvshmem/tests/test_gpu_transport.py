@@ -42,11 +42,15 @@ pytestmark = [
 LAYERS = 4
 
 
-def factory(wait: str = "device", publish: str = "stream", graphs: int = 0):
+def factory(
+    wait: str = "device", publish: str = "stream", graphs: int = 0, data_path: str = "mapped"
+):
     from afd_transport_nvshmem import NvshmemOptions
     from afd_transport_nvshmem.launch_support import nvshmem_transport
 
-    options = NvshmemOptions(wait=wait, publish=publish, exchange_graphs=graphs)
+    options = NvshmemOptions(
+        wait=wait, publish=publish, exchange_graphs=graphs, data_path=data_path
+    )
     return partial(nvshmem_transport, options=options)
 
 
@@ -160,11 +164,12 @@ def test_graph_replayed_exchange_matches_the_reference(shared: str, gpu_placemen
     assert results["ffn rank 0"].value["served"] == len(jobs)
 
 
-@pytest.mark.parametrize("graphs", [0, 4])
+@pytest.mark.parametrize(("graphs", "data_path"), [(0, "mapped"), (4, "mapped"), (0, "put")])
 def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(
-    graphs: int, gpu_placement
+    graphs: int, data_path: str, gpu_placement
 ) -> None:  # type: ignore[no-untyped-def]
-    """Also while the attention side replays its exchange from CUDA graphs."""
+    """Also while the attention side replays its exchange from CUDA graphs, and over the put
+    path."""
     jobs = [{"layer": i % LAYERS, "tokens": 32} for i in range(200)]
     specs = [
         RankSpec(
@@ -177,7 +182,7 @@ def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(
             window(),
             _placed(specs, gpu_placement),
             timeout=240,
-            transport_factory=factory(graphs=graphs),
+            transport_factory=factory(graphs=graphs, data_path=data_path),
         )
     results = caught.value.results
     assert results["ffn rank 0"].error == "killed by SIGKILL"
@@ -269,3 +274,41 @@ def test_ffn_rank_that_receives_nothing_is_not_waited_on(gpu_placement, device_p
         assert results["ffn rank 1"].value["served"] == 1
     else:
         assert waited_on == [[0, 1]] * 4
+
+
+@pytest.mark.parametrize("graphs", [0, 4])
+def test_the_put_path_gives_the_mapped_paths_outputs(graphs: int, gpu_placement) -> None:  # type: ignore[no-untyped-def]
+    """``NvshmemOptions(data_path="put")``: slots staged locally, then NVSHMEM device puts of
+    the used extents and the flag. 1 attention x 2 FFN ranks, shared rows on the FFN side,
+    two stages in flight, an empty batch; eagerly and graph-replayed (the puts captured):
+    every output bitwise equal to the mapped path's, with the same plans."""
+    tokens = [200, 3, 77, 128, 0, 64, 64, 64, 64, 64]
+    jobs = [{"layer": i % LAYERS, "tokens": t} for i, t in enumerate(tokens)]
+    outcomes = {}
+    for path in ("mapped", "put"):
+        specs = [
+            RankSpec(
+                Role.ATTENTION,
+                0,
+                workers.attention_jobs,
+                {"layers": LAYERS, "seed": 8, "jobs": jobs, "in_flight": 2, "record": True},
+            ),
+            RankSpec(Role.FFN, 0, workers.ffn_grouped, {"layers": LAYERS, "seed": 8}),
+            RankSpec(Role.FFN, 1, workers.ffn_grouped, {"layers": LAYERS, "seed": 8}),
+        ]
+        results = launch(
+            window(ring_depth=2, shared="ffn", num_ffn_ranks=2),
+            _placed(specs, gpu_placement),
+            timeout=240,
+            transport_factory=factory(graphs=graphs, data_path=path),
+        )
+        outcomes[path] = results["attention rank 0"].value
+    mapped, put = outcomes["mapped"], outcomes["put"]
+    assert max(put["errors"]) <= 2e-2, put["errors"]
+    assert put["plans"] == mapped["plans"]
+    assert len(put["outputs"]) == len(jobs)
+    for a, b in zip(mapped["outputs"], put["outputs"], strict=True):
+        assert torch.isfinite(b).all()
+        assert torch.equal(a, b)
+    if graphs:
+        assert put["graph_replays"] == mapped["graph_replays"] > 0

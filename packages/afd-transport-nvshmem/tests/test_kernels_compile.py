@@ -395,3 +395,66 @@ def test_the_input_fetch_compiles_to_loads_from_addresses_read_at_run_time() -> 
         {"BLOCK": input_fetch.BLOCK},
     )
     assert "ld.global" in compiled.asm["ptx"]
+
+
+def _put_extents_signature() -> dict[str, str]:
+    return {
+        "staging": "*i64",
+        "dest_bases": "*i64",
+        "pes": "*i32",
+        "rules": "*i64",
+        "slot_offset": "i64",
+    }
+
+
+def _put_constants(copy: bool) -> dict[str, Any]:
+    from afd_transport_nvshmem import put_path
+
+    return {
+        "N_RULES": 5,
+        "RULE_COLUMNS": put_path.RULE_COLUMNS,
+        "CHUNKS": put_path.CHUNKS,
+        "COPY": copy,
+        "COPY_BLOCK": put_path.COPY_BLOCK,
+    }
+
+
+def test_the_put_extent_kernel_compiles_in_its_copy_variant() -> None:
+    """The COPY variant (loads and stores) needs no NVSHMEM; it holds the extent arithmetic
+    the put variant shares, and calls no device library function."""
+    from afd_transport_nvshmem import put_path
+
+    compiled = _compile(
+        put_path._put_extents_kernel, _put_extents_signature(), _put_constants(True)
+    )
+    ptx = compiled.asm["ptx"]
+    assert "st.global" in ptx
+    assert "nvshmemx_putmem_block" not in ptx
+    assert ".extern .func" not in ptx
+
+
+def test_the_put_kernels_link_nvshmem_device_functions_where_the_library_is() -> None:
+    """With NVSHMEM's device bitcode installed (the GPU image; CI has none, and skips):
+    both put kernels compile for sm_90 with the device functions linked in."""
+    from afd_transport_nvshmem import put_path
+    from afd_transport_nvshmem.library import NvshmemUnavailable, find_host_library
+
+    try:
+        bitcode = put_path.find_device_library(find_host_library())
+    except NvshmemUnavailable as exc:
+        pytest.skip(str(exc))
+    options = {"extern_libs": {"libnvshmem_device": str(bitcode)}}
+    for kernel, signature, constants in (
+        (put_path._put_extents_kernel, _put_extents_signature(), _put_constants(False)),
+        (
+            put_path._put_flags_kernel,
+            {"request": "*i32", "dest_bases": "*i64", "pes": "*i32", "flag_offset": "i64"},
+            {},
+        ),
+    ):
+        for name in constants:
+            signature[name] = "constexpr"
+        source = ASTSource(kernel, signature, constexprs=constants)
+        compiled = triton.compile(source, target=HOPPER, options=options)
+        # Linked: no device function is left as an unresolved declaration.
+        assert ".extern .func" not in compiled.asm["ptx"]

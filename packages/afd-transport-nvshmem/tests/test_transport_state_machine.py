@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from afd_protocol import PeerAborted, PeerTimeout, Role, SlotLayout, Topology
-from afd_protocol.window import abort_words, flag_words
+from afd_protocol import InvalidArgument, PeerAborted, PeerTimeout, Role, SlotLayout, Topology
+from afd_protocol.window import LoopbackTransport, abort_words, flag_words
 from afd_transport_nvshmem.transport import NvshmemOptions, NvshmemTransport
 
 
@@ -108,6 +108,9 @@ def transport(role: Role = Role.ATTENTION, rank: int = 0) -> tuple[NvshmemTransp
         _poll_stream=None,
         _abort_stream=FakeStream(),
         _waiter=None,
+        _staging_address=0,  # the mapped path: no staging, no put blocks
+        _staging=[],
+        _put_blocks={},
     )
     return t, fakes
 
@@ -203,3 +206,26 @@ def test_the_connection_makes_kernel_endpoints_loading_the_kernels_late(
     assert [int(abort_words(peer, t.window)[0]) for peer in fakes["peers"]] == [1, 1]
     assert fakes["rdv"].failed == ["aborted"]
     assert fakes["lib"].calls == []  # closed after an abort: no collective teardown
+
+
+def test_the_data_path_option_names_its_choices() -> None:
+    assert NvshmemOptions().data_path == "mapped"
+    assert NvshmemOptions(data_path="put").data_path == "put"
+    with pytest.raises(InvalidArgument, match="data_path must be 'mapped' or 'put', got 'rdma'"):
+        NvshmemOptions(data_path="rdma")  # type: ignore[arg-type]
+
+
+def test_the_graphed_ffn_loop_refuses_the_put_path() -> None:
+    """It stores replies straight into peers' windows, which the put path does not map."""
+    from afd_protocol.window import LoopbackWorld
+
+    pytest.importorskip("triton")
+    from afd_transport_nvshmem.graphed_ffn import GraphedFFNServer
+
+    class PutLoopback(LoopbackTransport):
+        data_path = "put"
+
+    window = SlotLayout(Topology(1, 1, 4), 8, 4, 2, dtype="float32").window()
+    transport = PutLoopback(LoopbackWorld(window), Role.FFN, 0)
+    with pytest.raises(InvalidArgument, match="data_path='mapped'"):
+        GraphedFFNServer(transport, step=None)  # type: ignore[arg-type]

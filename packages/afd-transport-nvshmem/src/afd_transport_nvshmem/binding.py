@@ -128,6 +128,10 @@ EXPORTED_FUNCTIONS: tuple[Function, ...] = (
             ctypes.c_void_p,
         ),
     ),
+    # int nvshmemx_cumodule_init(CUmodule module)
+    Function("nvshmemx_cumodule_init", ctypes.c_int, (ctypes.c_void_p,)),
+    # void nvshmemx_quiet_on_stream(cudaStream_t cstrm)
+    Function("nvshmemx_quiet_on_stream", None, (ctypes.c_void_p,)),
     # void nvshmemx_signal_wait_until_on_stream(uint64_t *sig_addr, int cmp,
     #                                           uint64_t cmp_value, cudaStream_t cstream)
     Function(
@@ -262,3 +266,16 @@ class NvshmemLibrary:
         self._fn["nvshmemx_signal_wait_until_on_stream"](
             ctypes.c_void_p(signal_address), comparison, value, ctypes.c_void_p(stream)
         )
+
+    def cumodule_init(self, module: int) -> None:
+        """Give a loaded CUDA module that calls NVSHMEM device functions (linked from
+        ``libnvshmem_device.bc``) this process's NVSHMEM device state; once per module,
+        before its kernels run."""
+        check_status(
+            self._fn["nvshmemx_cumodule_init"](ctypes.c_void_p(module)), "nvshmemx_cumodule_init"
+        )
+
+    def quiet_on_stream(self, stream: int) -> None:
+        """Enqueue on ``stream`` the completion of every put this PE issued before it (device
+        puts of earlier kernels included)."""
+        self._fn["nvshmemx_quiet_on_stream"](ctypes.c_void_p(stream))

@@ -144,6 +144,12 @@ class GraphedFFNServer:
         graph: ServeGraphOptions | None = None,
         capture: GraphCapture | None = None,
     ) -> None:
+        if getattr(transport, "data_path", "mapped") != "mapped":
+            raise InvalidArgument(
+                "the graph-replayed FFN loop stores replies straight into the attention "
+                "ranks' windows, which the put path does not map; serve eagerly (no serve "
+                "graph) or open the transport with NvshmemOptions(data_path='mapped')"
+            )
         self.options = WindowOptions.of(options)
         self.graph_options = graph or ServeGraphOptions()
         self._transport = transport

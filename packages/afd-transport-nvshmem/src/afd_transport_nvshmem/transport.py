@@ -110,9 +110,11 @@ from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
 if TYPE_CHECKING:
     from afd_transport_nvshmem.device_wait import DeviceWaiter
     from afd_transport_nvshmem.flag_publish import FlagBlock, FlagPublisher
+    from afd_transport_nvshmem.put_path import PutBlock
 
 WaitMode = Literal["device", "host"]
 PublishMode = Literal["stream", "kernel"]
+DataPath = Literal["mapped", "put"]
 _ABANDONED_WAITERS: list[DeviceWaiter] = []
 """Device waiters whose kernel may still write their pinned buffers (see ``_abandon``)."""
 POLL_SLICE = 20000
@@ -136,6 +138,12 @@ class NvshmemOptions:
     """Attention endpoints replay each layer's packed dispatch and fused combine from CUDA
     graphs, holding up to this many token counts
     (:class:`~afd_transport_nvshmem.graphed_attention.GraphedAttentionEndpoint`); 0: eager."""
+    data_path: DataPath = "mapped"
+    """``mapped``: rows are stored straight into peers' windows through ``nvshmem_ptr``
+    (one node, NVLink or P2P). ``put``: slots are composed in local staging and sent with
+    NVSHMEM device puts, then the flag (:mod:`afd_transport_nvshmem.put_path`): what GPUs
+    without peer mapping need; every rank must use the same. The graph-replayed FFN loop
+    stores into peers' windows and needs ``mapped``."""
 
     def __post_init__(self) -> None:
         if self.exchange_graphs < 0:
@@ -147,6 +155,8 @@ class NvshmemOptions:
             raise InvalidArgument(f"wait must be 'device' or 'host', got {self.wait!r}")
         if self.publish not in ("stream", "kernel"):
             raise InvalidArgument(f"publish must be 'stream' or 'kernel', got {self.publish!r}")
+        if self.data_path not in ("mapped", "put"):
+            raise InvalidArgument(f"data_path must be 'mapped' or 'put', got {self.data_path!r}")
 
 
 class _CapturedHeaders(Mapping[int, torch.Tensor]):
@@ -216,11 +226,22 @@ class NvshmemTransport(WindowTransport):
         share = client_share()
         self.mps_share = share
         """This rank's CUDA MPS share in percent (None: not an MPS client)."""
-        records = rdv.join(window.describe(), others, connect_timeout, gpu=gpu, mps=share)
+        data_path = self.options.data_path
+        records = rdv.join(
+            window.describe(), others, connect_timeout, gpu=gpu, mps=share, data_path=data_path
+        )
         try:
             gpus = {w: str(r.extra["gpu"]) for w, r in records.items()} | {world: gpu}
             shares = {w: r.extra.get("mps") for w, r in records.items()} | {world: share}
             check_gpu_sharing(gpus, shares, topo.rank_name)
+            for w, r in records.items():
+                theirs = r.extra.get("data_path", "mapped")
+                if theirs != data_path:
+                    raise TopologyError(
+                        f"{self._name} uses data_path={data_path!r} but {topo.rank_name(w)} "
+                        f"uses {theirs!r}: the put path allocates staging memory collectively, "
+                        f"so every rank must use the same NvshmemOptions.data_path"
+                    )
         except TopologyError as exc:
             rdv.fail(str(exc))
             raise
@@ -232,18 +253,31 @@ class NvshmemTransport(WindowTransport):
         self._heap_address = self._lib.malloc(window.total_bytes)
         self._local = device_bytes(self._heap_address, window.total_bytes, self._device)
         self._local.zero_()
+        self._staging_address = 0
+        self._staging: list[torch.Tensor] = []
+        self._put_blocks: dict[tuple[tuple[int, ...], int], PutBlock] = {}
+        if data_path == "put":
+            # Collective: the same size on every PE (the most peers either role has).
+            self._staging_address = self._lib.malloc(topo.num_regions * window.total_bytes)
+            for p in range(self.num_peers):
+                start = self._staging_address + p * window.total_bytes
+                self._staging.append(device_bytes(start, window.total_bytes, self._device))
+                self._staging[-1].zero_()
+        if self._staging:  # the abort's put, compiled now rather than on the failure path
+            self._put_block(range(self.num_peers), window.abort_word_offset(rank), False).prepare()
         torch.cuda.synchronize(self._device)
         rdv.barrier("zeroed", others, connect_timeout)  # every window is zeroed before writes
         self._peer_windows: list[torch.Tensor] = []
         for w in self._peer_world:
             address = self._lib.peer_address(self._heap_address, w)
-            if address == 0:
+            if address == 0 and data_path == "mapped":
                 raise TopologyError(
                     f"{self._name}: nvshmem_ptr returned NULL for world rank {w}: that GPU is not "
-                    f"peer-to-peer reachable from cuda:{index}; the NVSHMEM transport supports "
-                    f"a single node with NVLink/P2P between all GPUs"
+                    f"peer-to-peer reachable from cuda:{index}; open the transport with "
+                    f"NvshmemOptions(data_path='put') to reach it with NVSHMEM puts"
                 )
-            self._peer_windows.append(device_bytes(address, window.total_bytes, self._device))
+            if address:
+                self._peer_windows.append(device_bytes(address, window.total_bytes, self._device))
         self._flags = flag_words(self._local, window)
         self._aborts = abort_words(self._local, window)
         self._peer_flags = [flag_words(t, window) for t in self._peer_windows]
@@ -289,10 +323,54 @@ class NvshmemTransport(WindowTransport):
     def local_window(self) -> torch.Tensor:
         return self._local
 
+    @property
+    def data_path(self) -> DataPath:
+        """How rows reach peers (:attr:`NvshmemOptions.data_path`)."""
+        return self.options.data_path
+
     def peer_window(self, peer: int) -> torch.Tensor:
+        """``peer``'s window mapped into this process; on the put path, this rank's staging
+        copy of it, which a publish puts to the peer."""
+        if self._staging:
+            return self._staging[self.check_peer(peer)]
         return self._peer_windows[self.check_peer(peer)]
 
+    def _put_block(self, peers: Sequence[int], word_offset: int, slot: bool) -> PutBlock:
+        """The put path's block publishing this rank's slot of flag ``word_offset`` (or, with
+        ``slot=False``, only setting the int32 word at ``word_offset``) to ``peers``."""
+        from afd_transport_nvshmem.put_path import PutBlock, find_device_library
+
+        wanted = tuple(self.check_peer(p) for p in peers)
+        key = (wanted, word_offset if slot else -1 - word_offset)
+        block = self._put_blocks.get(key)
+        if block is None:
+            slot_offset = None
+            if slot:
+                region, ring = divmod(
+                    (word_offset - self.window.flags_offset) // 4, self.window.ring_depth
+                )
+                slot_offset = self.window.slot_offset(region, ring)
+            block = PutBlock(
+                self._lib,
+                find_device_library(self._lib.path),
+                self._device,
+                [self._staging[p].data_ptr() for p in wanted],
+                self._heap_address,
+                [self._peer_world[p] for p in wanted],
+                self.window,
+                slot_offset,
+                word_offset,
+            )
+            self._put_blocks[key] = block
+        return block
+
+    def _flag_offset(self, flag_index: int) -> int:
+        return self.window.flags_offset + 4 * flag_index
+
     def publish(self, peer: int, flag_index: int, value: int) -> None:
+        if self._staging:
+            self._put_block([peer], self._flag_offset(flag_index), True).publish([value])
+            return
         flags = self._peer_flags[self.check_peer(peer)]
         if self._memops:
             address = flags.data_ptr() + 4 * flag_index
@@ -301,6 +379,9 @@ class NvshmemTransport(WindowTransport):
             flags[flag_index : flag_index + 1].fill_(value)
 
     def publish_all(self, peers: Sequence[int], flag_index: int, values: Sequence[int]) -> None:
+        if self._staging and len(peers) == len(values):
+            self._put_block(peers, self._flag_offset(flag_index), True).publish(values)
+            return
         if self._publisher is None or len(peers) != len(values):
             super().publish_all(peers, flag_index, values)  # (which names a length mismatch)
             return
@@ -309,7 +390,11 @@ class NvshmemTransport(WindowTransport):
     def publish_block(self, peers: Sequence[int], flag_index: int) -> PublishBlock:
         """One Triton launch with a release store at system scope per flag, values read from
         pinned memory when it runs (:class:`~afd_transport_nvshmem.flag_publish.FlagBlock`;
-        the graph-replayed exchange captures it). Shares the ``publish="kernel"`` blocks."""
+        the graph-replayed exchange captures it). Shares the ``publish="kernel"`` blocks.
+        On the put path: the slot's puts, then the flag (:class:`~afd_transport_nvshmem.
+        put_path.PutBlock`), as capturable."""
+        if self._staging:
+            return self._put_block(peers, self._flag_offset(flag_index), True)
         publisher = self._publisher or self._block_publisher
         if publisher is None:  # publish="stream": blocks of their own, publish_all unchanged
             from afd_transport_nvshmem.flag_publish import FlagPublisher
@@ -435,7 +520,11 @@ class NvshmemTransport(WindowTransport):
         self._aborted = True
         if self._heap_address:
             with torch.cuda.stream(self._abort_stream):  # not behind a stuck compute stream
-                for aborts in self._peer_aborts:
+                if self._staging:
+                    offset = self.window.abort_word_offset(self.rank)
+                    everyone = range(self.num_peers)
+                    self._put_block(everyone, offset, False).publish([1] * self.num_peers)
+                for aborts in self._peer_aborts if not self._staging else []:
                     aborts[self.rank : self.rank + 1].fill_(1)
             self._abort_stream.synchronize()
         # Peers waiting at a barrier (close) stop waiting for this rank.
@@ -462,6 +551,11 @@ class NvshmemTransport(WindowTransport):
         for name in ("_local", "_flags", "_aborts", "_peer_windows", "_peer_flags", "_peer_aborts"):
             self.__dict__.pop(name, None)
         self._waiter = None
+        self._staging = []
+        self._put_blocks.clear()
+        if self._staging_address:
+            self._lib.free(self._staging_address)  # collective, in the reverse order of malloc
+            self._staging_address = 0
         self._lib.free(self._heap_address)
         self._heap_address = 0
         self._lib.finalize()
