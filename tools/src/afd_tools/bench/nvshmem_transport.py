@@ -111,15 +111,19 @@ WAIT_VARIANTS: dict[str, dict[str, Any]] = {
     "device_launch": {"wait": "device", "wait_graph": False},
     "host": {"wait": "host", "wait_graph": True},
     "kernel_publish": {"wait": "device", "wait_graph": True, "publish": "kernel"},
+    "put": {"wait": "device", "wait_graph": True, "publish": "kernel", "data_path": "put"},
 }
 """Transport option sets (each its own launch): the ``wait_any`` variants, and the device
-wait with every flag of a dispatch published by one kernel."""
+wait with every flag of a dispatch published by one kernel, and the same over the put path
+(slots staged locally, then NVSHMEM device puts: ``data_path="put"``)."""
 KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
 """The 'dev pack' endpoint over the kernel-publish transport (the publish kernel serves the
 packed dispatch)."""
 PROFILED_MODES = ("device", "graphs")
 """The modes ``--profile`` profiles on the attention side (one file each)."""
-GRAPHED_MODES = frozenset({"graphs", "ffn-graph", "graphs-host-wait", "graphs-torch-plan"})
+GRAPHED_MODES = frozenset(
+    {"graphs", "ffn-graph", "graphs-host-wait", "graphs-torch-plan", "put-graphs"}
+)
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
 of the NVSHMEM connection): 'graphs' in the kernel-publish launch, beside 'kern pub';
 'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too."""
@@ -598,6 +602,21 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     )
     kernel_publish = _launch(layer, _with(specs, env), "kernel_publish")
     times.update(kernel_publish["attention rank 0"].value)
+    # The put path (a transport option: a launch of its own, next to the one above): the
+    # same endpoints, eager and graphed, with every slot put by NVSHMEM device puts.
+    put_specs = [
+        dataclasses.replace(
+            specs[0],
+            kwargs={
+                **specs[0].kwargs,
+                "modes": {"put": KERNEL_PUBLISH_MODE, "put-graphs": KERNEL_PUBLISH_MODE},
+                "profile": None,
+            },
+        ),
+        RankSpec(Role.FFN, 0, serve_identity),
+    ]
+    put = _launch(layer, _with(put_specs, env), "put")
+    times.update(put["attention rank 0"].value)
     # Both sides replayed from CUDA graphs: the FFN rank's serve loop is one graph (a launch
     # of its own, since an FFN rank serves one way).
     specs = [
@@ -639,7 +658,9 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         f"'host wait': the host waits, then replays the combine; all interleaved with 'kern "
         f"pub' in that launch); 'ffn graph' = 'graphs' "
         f"with the FFN rank's serve loop replayed from one CUDA graph too (a launch of its "
-        f"own). 'floor' = the rows there "
+        f"own); 'put' and 'put graphs' = 'kern pub' and 'graphs' over the put path (slots "
+        f"staged locally, then NVSHMEM device puts of the bytes used and the flag; the next "
+        f"launch). 'floor' = the rows there "
         f"and back at "
         f"the same-run peer copy_ bandwidth ({floor_gbs:.0f} GB/s). 'p10-p90' = the spread of "
         f"'device' over its rounds. 'link' = the same bytes at {NVLINK_GBS:.0f} GB/s (a peer "
@@ -648,7 +669,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     print(
         f"  {'tokens':>6} {'device':>8} {'dev pack':>9} {'torch comb':>10} {'copied hdr':>10} "
         f"{'host':>8} {'kern pub':>8} {'graphs':>7} {'torch plan':>10} {'host wait':>9} "
-        f"{'ffn graph':>9} "
+        f"{'ffn graph':>9} {'put':>6} {'put graphs':>10} "
         f"{'floor':>7} "
         f"{'floor/device':>12} "
         f"{'host/device':>11} "
@@ -661,7 +682,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         report["layer"][f"floor/{n}"] = floor
         report["layer"][f"link/{n}"] = nbytes / (NVLINK_GBS * 1e9)
         modes = [*LAYER_MODES, "host", "kernel-publish", "graphs", "graphs-torch-plan"]
-        modes += ["graphs-host-wait", "ffn-graph"]
+        modes += ["graphs-host-wait", "ffn-graph", "put", "put-graphs"]
         ms = {m: times[f"{m}/{n}"] * 1e3 for m in modes}
         spread = _spread(times, f"device/{n}")
         print(
@@ -669,6 +690,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{ms['copied-header']:10.2f} {ms['host']:8.2f} {ms['kernel-publish']:8.2f} "
             f"{ms['graphs']:7.2f} {ms['graphs-torch-plan']:10.2f} "
             f"{ms['graphs-host-wait']:9.2f} {ms['ffn-graph']:9.2f} "
+            f"{ms['put']:6.2f} {ms['put-graphs']:10.2f} "
             f"{floor * 1e3:7.2f} "
             f"{floor * 1e3 / ms['device']:12.2f} {ms['host'] / ms['device']:11.2f} {spread:>11} "
             f"{nbytes / (NVLINK_GBS * 1e9) * 1e3:6.2f}"
@@ -722,6 +744,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             ("(torch plan)", "graphs-torch-plan"),
             ("(host wait)", "graphs-host-wait"),
             ("(ffn graph)", "ffn-graph"),
+            ("(put graphs)", "put-graphs"),
         ):
             key = f"{mode}/{n}"
             print(
