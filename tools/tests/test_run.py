@@ -178,6 +178,15 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
             "for --transport shm",
         ),
         (
+            ["--peer-puts"],
+            "--peer-puts applies to --transport nvshmem only; drop it for --transport shm",
+        ),
+        (
+            ["--peer-puts", "--ffn-graph"],
+            "--ffn-graph stores replies straight into the attention ranks' windows, which "
+            "--peer-puts does not map; drop one of them",
+        ),
+        (
             ["--exchange-graphs", "-1"],
             "--exchange-graphs is how many token counts to hold as CUDA graphs (0: none), got -1",
         ),

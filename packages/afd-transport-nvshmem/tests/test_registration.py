@@ -73,3 +73,19 @@ def test_exchange_graphs_reach_the_transport_options_and_other_transports_refuse
         TransportOptions(exchange_graphs=-1)
     with pytest.raises(InvalidArgument, match="exchange_graphs is how many token counts"):
         NvshmemOptions(exchange_graphs=-1)
+
+
+def test_peer_puts_reach_the_transport_as_the_put_path_and_other_transports_refuse_them() -> None:
+    import pytest
+
+    from afd_protocol import InvalidArgument, TransportOptions
+    from afd_transport_nvshmem.transport import NvshmemOptions
+
+    slot = SlotLayout(Topology(1, 1, 4), 64, 16, 2, dtype="bfloat16")
+    both = TransportOptions(exchange_graphs=2, peer_puts=True)
+    factory = NVSHMEM_TRANSPORT.factory(slot, both)
+    assert factory.keywords == {  # type: ignore[attr-defined]
+        "options": NvshmemOptions(exchange_graphs=2, data_path="put")
+    }
+    with pytest.raises(InvalidArgument, match="transport shm has no put path"):
+        get_transport("shm").factory(slot, TransportOptions(peer_puts=True))

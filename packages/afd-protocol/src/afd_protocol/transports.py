@@ -94,6 +94,10 @@ class TransportOptions:
     """Attention ranks replay each MoE layer's dispatch and combine from CUDA graphs, holding
     up to this many token counts (transports whose spec says ``exchange_graphs=True``); 0:
     eager."""
+    peer_puts: bool = False
+    """Send every slot with the transport's one-sided puts from local staging instead of
+    storing into peers' mapped memory (transports whose spec says ``peer_puts=True``): what
+    GPUs whose peers' memory cannot be mapped need."""
 
     def __post_init__(self) -> None:
         if self.wait_timeout is not None and not self.wait_timeout > 0:
@@ -133,6 +137,8 @@ class TransportSpec:
     """Whether it accepts :attr:`TransportOptions.dynamic_quant`."""
     exchange_graphs: bool = False
     """Whether it accepts :attr:`TransportOptions.exchange_graphs`."""
+    peer_puts: bool = False
+    """Whether it accepts :attr:`TransportOptions.peer_puts`."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.devices or not self.shared_placements:
@@ -184,6 +190,8 @@ class TransportSpec:
             raise InvalidArgument(f"transport {self.name} has no dynamic quantisation")
         if options.exchange_graphs and not self.exchange_graphs:
             raise InvalidArgument(f"transport {self.name} has no graph-replayed exchange")
+        if options.peer_puts and not self.peer_puts:
+            raise InvalidArgument(f"transport {self.name} has no put path")
         return self.build(slot, options)
 
 

@@ -20,15 +20,19 @@ from afd_protocol import (
 
 def _nvshmem_factory(slot: SlotLayout, options: TransportOptions) -> TransportFactory:
     """:func:`afd_transport_nvshmem.launch_support.nvshmem_transport`: its waits are the
-    endpoints'; ``options.exchange_graphs`` becomes the transport option of that name."""
+    endpoints'; ``options.exchange_graphs`` becomes the transport option of that name, and
+    ``options.peer_puts`` ``data_path="put"``."""
     from afd_transport_nvshmem.launch_support import nvshmem_transport
 
-    if not options.exchange_graphs:
+    if not options.exchange_graphs and not options.peer_puts:
         return nvshmem_transport
     from afd_transport_nvshmem.transport import NvshmemOptions
 
-    graphs = NvshmemOptions(exchange_graphs=options.exchange_graphs)
-    return functools.partial(nvshmem_transport, options=graphs)
+    chosen = NvshmemOptions(
+        exchange_graphs=options.exchange_graphs,
+        data_path="put" if options.peer_puts else "mapped",
+    )
+    return functools.partial(nvshmem_transport, options=chosen)
 
 
 NVSHMEM_TRANSPORT = TransportSpec(
@@ -40,6 +44,7 @@ NVSHMEM_TRANSPORT = TransportSpec(
     requirement="afd-transport-nvshmem",
     build=_nvshmem_factory,
     exchange_graphs=True,
+    peer_puts=True,
 )
 """``nvshmem``: one rank per GPU (or several under MPS), bootstrapped through the launcher's
 rendezvous directory."""

@@ -189,6 +189,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "second captures; 0: eager); --transport nvshmem only",
     )
     p.add_argument(
+        "--peer-puts",
+        action="store_true",
+        help="send every slot with NVSHMEM device puts of the bytes it uses (composed in local "
+        "staging memory), then the flag, instead of storing rows into peers' mapped memory: "
+        "the path for GPUs whose peers cannot be mapped (between nodes); same outputs; "
+        "--transport nvshmem only, not with --ffn-graph",
+    )
+    p.add_argument(
         "--ffn-graph",
         action="store_true",
         help="FFN ranks on cuda: replay the whole serve loop (wait for any ready item on the "

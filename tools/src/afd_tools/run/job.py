@@ -107,6 +107,9 @@ class RunJob:
     exchange_graphs: int = 0
     """Attention ranks: each MoE layer's dispatch and combine as CUDA-graph replays, up to
     this many token counts held (transports that have them: ``nvshmem``); 0: eager."""
+    peer_puts: bool = False
+    """Every slot sent with NVSHMEM device puts from local staging instead of stores into
+    peers' mapped windows (transports that have it: ``nvshmem``; not with ``ffn_graph``)."""
     ffn_graph: bool = False
     """FFN ranks: the whole serve loop (take an item, the experts, the reply) replayed from
     one CUDA graph (``afd_transport_nvshmem.graphed_ffn``; ``triton`` backend, ``nvshmem``)."""
@@ -166,6 +169,11 @@ class RunJob:
             raise WorkloadError(
                 "--ffn-graph already replays the experts inside the serve loop's graph; drop "
                 "--ffn-graph-buckets"
+            )
+        if self.peer_puts and self.ffn_graph:
+            raise WorkloadError(
+                "--ffn-graph stores replies straight into the attention ranks' windows, which "
+                "--peer-puts does not map; drop one of them"
             )
         if self.exchange_graphs < 0:
             raise WorkloadError(

@@ -185,6 +185,12 @@ def _check_transport_options(job: RunJob, transport: TransportSpec) -> None:
             f"--exchange-graphs applies to --transport {' or '.join(able) or '(none here)'} "
             f"only; drop it for --transport {transport.name}"
         )
+    if job.peer_puts and not transport.peer_puts:
+        able = [t.name for t in available_transports().values() if t.peer_puts]
+        raise WorkloadError(
+            f"--peer-puts applies to --transport {' or '.join(able) or '(none here)'} only; "
+            f"drop it for --transport {transport.name}"
+        )
     transport.check_shared_placement(
         job.shared, transport_option="--transport", shared_option="--shared"
     )
@@ -210,6 +216,7 @@ def _afd_transport(
         wait_timeout=job.timeout,
         dynamic_quant=job.cam_dynamic_quant,
         exchange_graphs=job.exchange_graphs,
+        peer_puts=job.peer_puts,
     )
     try:
         factory = transport.factory(slot, options)
