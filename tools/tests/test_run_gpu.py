@@ -163,17 +163,21 @@ def test_chosen_mps_shares_reach_the_ranks_on_one_gpu(tmp_path: Path) -> None:
     _nothing_of_mps_left(before)
 
 
-@pytest.mark.parametrize("graphs", [[], ["--exchange-graphs", "4"]])
+@pytest.mark.parametrize(
+    "graphs", [[], ["--exchange-graphs", "4"], ["--exchange-graphs", "4", "--peer-puts"]]
+)
 def test_float32_on_the_gpu_matches_the_reference_to_float32_precision(
     tmp_path: Path, graphs: list[str]
 ) -> None:
     """In float32 no rounding hides a wrong row: every mode within 1e-5 of the reference
     (over NVSHMEM; on one GPU under CUDA MPS), also with the exchange replayed from CUDA
-    graphs."""
+    graphs, and with every slot sent by the put path."""
     data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *SHARE, *graphs)
     assert "(tolerance 1e-05; worst " in out
     assert data["verification_failures"] == {}
-    assert data["deployment"]["exchange_graphs"] == (4 if graphs else 0)  # type: ignore[index]
+    deployment = data["deployment"]
+    assert deployment["exchange_graphs"] == (4 if graphs else 0)  # type: ignore[index]
+    assert deployment["peer_puts"] == ("--peer-puts" in graphs)  # type: ignore[index]
 
 
 def test_both_sides_replayed_from_cuda_graphs_match_the_reference(tmp_path: Path) -> None:

@@ -70,6 +70,8 @@ class Deployment:
     """Token counts the attention ranks held as CUDA graphs of the exchange (0: eager)."""
     ffn_graph: bool = False
     """The FFN ranks served from one CUDA graph of serve steps."""
+    peer_puts: bool = False
+    """Every slot was sent with NVSHMEM device puts from local staging (``--peer-puts``)."""
     min_stage_tokens: int = 0
     """Async mode: fewer stages in steps under this many tokens per stage (0: none)."""
     warm_pass: bool = False
