@@ -229,3 +229,13 @@ def test_the_graphed_ffn_loop_refuses_the_put_path() -> None:
     transport = PutLoopback(LoopbackWorld(window), Role.FFN, 0)
     with pytest.raises(InvalidArgument, match="data_path='mapped'"):
         GraphedFFNServer(transport, step=None)  # type: ignore[arg-type]
+
+
+def test_the_symmetric_heap_holds_the_put_paths_staging() -> None:
+    """NVSHMEM_SYMMETRIC_SIZE follows from this: on the put path one staging window per
+    peer of the larger role besides the window itself (2A3F: three), else the window."""
+    from afd_transport_nvshmem.transport import symmetric_bytes
+
+    window = SlotLayout(Topology(2, 3, 6), 64, 32, 2, dtype="bfloat16").window(ring_depth=2)
+    assert symmetric_bytes(window, "mapped") == window.total_bytes
+    assert symmetric_bytes(window, "put") == 4 * window.total_bytes

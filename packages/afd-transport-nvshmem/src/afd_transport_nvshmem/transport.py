@@ -159,6 +159,14 @@ class NvshmemOptions:
             raise InvalidArgument(f"data_path must be 'mapped' or 'put', got {self.data_path!r}")
 
 
+def symmetric_bytes(window: WindowLayout, data_path: DataPath) -> int:
+    """What a rank allocates in NVSHMEM's symmetric heap: its window, and on the put path
+    the staging (one window for each peer of the role with the most ranks, ``num_regions``:
+    the allocation is collective, so the same on every PE)."""
+    staged = window.num_regions if data_path == "put" else 0
+    return window.total_bytes * (1 + staged)
+
+
 class _CapturedHeaders(Mapping[int, torch.Tensor]):
     """The headers a device wait captured, by flag index, copied out of the waiter's pinned
     buffer only when an endpoint reads one (valid until the next wait reuses the buffer)."""
@@ -210,7 +218,9 @@ class NvshmemTransport(WindowTransport):
         self._closed = False
         self._aborted = False
         self._heap_address = 0
-        self.environment = apply_single_node_defaults(window.total_bytes)
+        self.environment = apply_single_node_defaults(
+            symmetric_bytes(window, self.options.data_path)
+        )
         self._lib = library or NvshmemLibrary()
         rdv = Rendezvous(store, topo, self.role, rank, liveness_interval=liveness_interval)
         self._rendezvous = rdv
@@ -258,7 +268,8 @@ class NvshmemTransport(WindowTransport):
         self._put_blocks: dict[tuple[tuple[int, ...], int], PutBlock] = {}
         if data_path == "put":
             # Collective: the same size on every PE (the most peers either role has).
-            self._staging_address = self._lib.malloc(topo.num_regions * window.total_bytes)
+            staging_bytes = symmetric_bytes(window, data_path) - window.total_bytes
+            self._staging_address = self._lib.malloc(staging_bytes)
             for p in range(self.num_peers):
                 start = self._staging_address + p * window.total_bytes
                 self._staging.append(device_bytes(start, window.total_bytes, self._device))
