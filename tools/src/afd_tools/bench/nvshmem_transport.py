@@ -19,7 +19,9 @@ Side by side in one run:
   a persistent Triton ping-pong kernel;
 * dispatch + combine per layer, 1 attention x 1 FFN, DeepSeek-V2-Lite shapes (hidden
   2048 bf16, 64 experts top-6), identity FFN: the endpoint options side by side (blocks of
-  rounds interleaved), and host-polled waits as a separate launch.
+  rounds interleaved), and host-polled waits as a separate launch; the put path
+  (``data_path="put"``: slots staged locally, then NVSHMEM device puts and the flag),
+  eager and graph-replayed, in the launch after the mapped kernel-publish one.
 
 Wait modes are transport options, fixed when a transport opens, so each is its own launch
 (two processes, NVSHMEM started afresh); endpoint options are fixed per endpoint, so the
@@ -126,7 +128,8 @@ GRAPHED_MODES = frozenset(
 )
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
 of the NVSHMEM connection): 'graphs' in the kernel-publish launch, beside 'kern pub';
-'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too."""
+'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too;
+'put-graphs' in the put path's launch, beside 'put'."""
 
 
 def _wait_any_latency(connection: WindowConnection, iterations: int) -> float:
