@@ -27,6 +27,8 @@ class StagedLoopbackWorld(LoopbackWorld):
             buffer[window.slots_offset :] = 0xFF
         self.bytes_put = 0
         """Payload bytes every publish so far copied, header included."""
+        self.whole_fields = 0
+        """What the same publishes would have copied sending every non-empty field whole."""
 
     def transport(self, role: Role | str, rank: int) -> LoopbackTransport:
         return StagedLoopbackTransport(self, Role(role), rank)
@@ -57,6 +59,7 @@ class StagedLoopbackTransport(LoopbackTransport):
             start = base + extent.offset
             real[start : start + extent.nbytes] = staging[start : start + extent.nbytes]
             self._staged_world.bytes_put += extent.nbytes
+        self._staged_world.whole_fields += sum(spec.nbytes for spec in self.layout.fields)
         flag_words(real, self.window)[flag_index] = value
 
     def publish_block(self, peers: Sequence[int], flag_index: int) -> PublishBlock:

@@ -300,7 +300,14 @@ def check_put_extents() -> int:
             topo, 48, 40, 3, dtype="bfloat16", shared_placement="ffn", wire_format=wire
         )
         window = slot.window(ring_depth=2)
-        for counts in ((0, 0, 0), (1, 1, 1), (40, 37, 20), (40, 10**6, 10**6), (-3, 5, -1)):
+        local = slot.header_words - HEADER_FIXED_WORDS
+        for counts in (
+            (0, 0, 0, local),
+            (1, 1, 1, 1),
+            (40, 37, 20, local),
+            (40, 10**6, 10**6, 0),
+            (-3, 5, -1, -2),
+        ):
             staging = [
                 torch.randint(0, 256, (window.total_bytes,), generator=gen, dtype=torch.uint8)
                 for _ in range(2)
@@ -308,11 +315,11 @@ def check_put_extents() -> int:
             slot_offset = window.slot_offset(1, 1)
             for d, buffer in enumerate(staging):
                 header = buffer[slot_offset : slot_offset + 4 * slot.header_words].view(torch.int32)
-                tokens, routed, shared = counts
+                tokens, routed, shared, num_counts = counts
                 header[Word.NUM_TOKENS] = tokens
                 header[Word.ROUTED_ROWS] = routed - d  # the two destinations differ
                 header[Word.SHARED_ROWS] = shared
-                header[Word.NUM_COUNTS] = slot.header_words - HEADER_FIXED_WORDS
+                header[Word.NUM_COUNTS] = num_counts
             got = [torch.full_like(b, 0xFF) for b in staging]
             want = [torch.full_like(b, 0xFF) for b in staging]
             copy_extents(

@@ -130,6 +130,8 @@ EXPORTED_FUNCTIONS: tuple[Function, ...] = (
     ),
     # int nvshmemx_cumodule_init(CUmodule module)
     Function("nvshmemx_cumodule_init", ctypes.c_int, (ctypes.c_void_p,)),
+    # int nvshmemx_cumodule_finalize(CUmodule module)
+    Function("nvshmemx_cumodule_finalize", ctypes.c_int, (ctypes.c_void_p,)),
     # void nvshmemx_quiet_on_stream(cudaStream_t cstrm)
     Function("nvshmemx_quiet_on_stream", None, (ctypes.c_void_p,)),
     # void nvshmemx_signal_wait_until_on_stream(uint64_t *sig_addr, int cmp,
@@ -273,6 +275,13 @@ class NvshmemLibrary:
         before its kernels run."""
         check_status(
             self._fn["nvshmemx_cumodule_init"](ctypes.c_void_p(module)), "nvshmemx_cumodule_init"
+        )
+
+    def cumodule_finalize(self, module: int) -> None:
+        """Take back what :meth:`cumodule_init` gave ``module`` (before NVSHMEM finalises)."""
+        check_status(
+            self._fn["nvshmemx_cumodule_finalize"](ctypes.c_void_p(module)),
+            "nvshmemx_cumodule_finalize",
         )
 
     def quiet_on_stream(self, stream: int) -> None:

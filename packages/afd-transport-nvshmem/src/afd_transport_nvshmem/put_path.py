@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.language import core
 
-from afd_protocol import HEADER_FIXED_WORDS, WindowLayout, extent_rules, used_extents
+from afd_protocol import HEADER_FIXED_WORDS, AFDError, WindowLayout, extent_rules, used_extents
 from afd_protocol.window import PublishBlock
 from afd_transport_nvshmem.binding import NvshmemLibrary
 from afd_transport_nvshmem.device_wait import HostPointer
@@ -295,15 +295,24 @@ class PutBlock(PublishBlock):
             self._pes,
             self._flag_offset,
             extern_libs=self._extern,
+            num_warps=1,  # every thread of the program puts the flag: the fewest threads
             grid=(1,),
             **({} if warmup else {"warmup": False}),
         )
 
     def launch(self) -> None:
+        if not self._prepared:
+            raise AFDError(
+                "PutBlock.launch before prepare(): its kernels call NVSHMEM, and a module "
+                "NVSHMEM has not registered must not run"
+            )
+        stream = torch.cuda.current_stream(self._device).cuda_stream
         if self._slot_offset is not None:
             self._extents()
-            self._lib.quiet_on_stream(torch.cuda.current_stream(self._device).cuda_stream)
+            self._lib.quiet_on_stream(stream)
         self._flags()
+        if self._slot_offset is None:
+            self._lib.quiet_on_stream(stream)  # an abort: delivered before the caller exits
 
     def prepare(self) -> None:
         """Compile both kernels, load them and register their modules with NVSHMEM (no
@@ -329,3 +338,11 @@ class PutBlock(PublishBlock):
         self.write(values)
         self.launch()
         self._done.record()
+
+
+def release_modules(lib: NvshmemLibrary) -> None:
+    """Take NVSHMEM's device state back from every module :class:`PutBlock` registered
+    (the transport's ``close``, before NVSHMEM finalises): a later initialisation in this
+    process registers them afresh instead of keeping the old state."""
+    while _REGISTERED_MODULES:
+        lib.cumodule_finalize(_REGISTERED_MODULES.pop())

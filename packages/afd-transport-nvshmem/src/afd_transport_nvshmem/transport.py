@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from afd_protocol import (
+    AFDError,
     EndpointOptions,
     InvalidArgument,
     KeyValueStore,
@@ -244,6 +245,10 @@ class NvshmemTransport(WindowTransport):
             gpus = {w: str(r.extra["gpu"]) for w, r in records.items()} | {world: gpu}
             shares = {w: r.extra.get("mps") for w, r in records.items()} | {world: share}
             check_gpu_sharing(gpus, shares, topo.rank_name)
+            if data_path == "put":  # before any collective call: a rank without it fails all
+                from afd_transport_nvshmem.put_path import find_device_library
+
+                find_device_library(self._lib.path)
             for w, r in records.items():
                 theirs = r.extra.get("data_path", "mapped")
                 if theirs != data_path:
@@ -252,7 +257,7 @@ class NvshmemTransport(WindowTransport):
                         f"uses {theirs!r}: the put path allocates staging memory collectively, "
                         f"so every rank must use the same NvshmemOptions.data_path"
                     )
-        except TopologyError as exc:
+        except AFDError as exc:
             rdv.fail(str(exc))
             raise
         self.shares_gpu = len([g for g in gpus.values() if g == gpu]) > 1
@@ -284,8 +289,9 @@ class NvshmemTransport(WindowTransport):
             if address == 0 and data_path == "mapped":
                 raise TopologyError(
                     f"{self._name}: nvshmem_ptr returned NULL for world rank {w}: that GPU is not "
-                    f"peer-to-peer reachable from cuda:{index}; open the transport with "
-                    f"NvshmemOptions(data_path='put') to reach it with NVSHMEM puts"
+                    f"peer-to-peer reachable from cuda:{index}; the NVSHMEM transport supports "
+                    f"a single node with NVLink/P2P between all GPUs (afd starts NVSHMEM "
+                    f"without a network transport, so data_path='put' does not reach it either)"
                 )
             if address:
                 self._peer_windows.append(device_bytes(address, window.total_bytes, self._device))
@@ -565,6 +571,9 @@ class NvshmemTransport(WindowTransport):
         self._staging = []
         self._put_blocks.clear()
         if self._staging_address:
+            from afd_transport_nvshmem.put_path import release_modules
+
+            release_modules(self._lib)
             self._lib.free(self._staging_address)  # collective, in the reverse order of malloc
             self._staging_address = 0
         self._lib.free(self._heap_address)
