@@ -13,6 +13,7 @@ and the tests drive those methods. The GPU suite covers the same paths on real w
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import pytest
@@ -232,10 +233,24 @@ def test_the_graphed_ffn_loop_refuses_the_put_path() -> None:
 
 
 def test_the_symmetric_heap_holds_the_put_paths_staging() -> None:
-    """NVSHMEM_SYMMETRIC_SIZE follows from this: on the put path one staging window per
-    peer of the larger role besides the window itself (2A3F: three), else the window."""
-    from afd_transport_nvshmem.transport import symmetric_bytes
+    """NVSHMEM_SYMMETRIC_SIZE follows from this: on the put path the window and the staging,
+    whose per-peer windows overlap but for the region each rank writes; those regions are
+    disjoint and inside the allocation for every rank of either role."""
+    from afd_transport_nvshmem.transport import staging_bytes, staging_stride, symmetric_bytes
 
     window = SlotLayout(Topology(2, 3, 6), 64, 32, 2, dtype="bfloat16").window(ring_depth=2)
+    region = window.ring_depth * window.slot.slot_bytes
     assert symmetric_bytes(window, "mapped") == window.total_bytes
-    assert symmetric_bytes(window, "put") == 4 * window.total_bytes
+    assert staging_bytes(window) == 2 * region + window.total_bytes  # 3 regions
+    assert symmetric_bytes(window, "put") == window.total_bytes + staging_bytes(window)
+    assert staging_bytes(window) < 3 * window.total_bytes  # what whole windows would take
+    for role in Role:
+        for rank in range(window.slot.topology.num_role_ranks(role)):
+            peers = window.slot.topology.num_role_ranks(role.opposite)
+            used = []
+            for p in range(peers):
+                start = p * staging_stride(window) + window.slot_offset(rank, 0)
+                used.append((start, start + region))
+                assert p * staging_stride(window) + window.total_bytes <= staging_bytes(window)
+            used.sort()
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(used)), used

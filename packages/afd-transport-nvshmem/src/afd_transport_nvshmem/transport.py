@@ -160,12 +160,25 @@ class NvshmemOptions:
             raise InvalidArgument(f"data_path must be 'mapped' or 'put', got {self.data_path!r}")
 
 
+def staging_stride(window: WindowLayout) -> int:
+    """Bytes between consecutive peers' staging windows on the put path: one region's slots
+    (``ring_depth`` of them). A sender writes only its own region of a peer's window, so
+    the staging windows may overlap everywhere else: peer ``p``'s starts ``p`` strides in,
+    and the regions this rank writes lie end to end, none inside another."""
+    return window.ring_depth * window.slot.slot_bytes
+
+
+def staging_bytes(window: WindowLayout) -> int:
+    """The put path's staging allocation: a window for the last peer of the role with the
+    most ranks (``num_regions``; the allocation is collective, so the same on every PE),
+    ``num_regions - 1`` strides in."""
+    return (window.num_regions - 1) * staging_stride(window) + window.total_bytes
+
+
 def symmetric_bytes(window: WindowLayout, data_path: DataPath) -> int:
     """What a rank allocates in NVSHMEM's symmetric heap: its window, and on the put path
-    the staging (one window for each peer of the role with the most ranks, ``num_regions``:
-    the allocation is collective, so the same on every PE)."""
-    staged = window.num_regions if data_path == "put" else 0
-    return window.total_bytes * (1 + staged)
+    the staging (:func:`staging_bytes`)."""
+    return window.total_bytes + (staging_bytes(window) if data_path == "put" else 0)
 
 
 class _CapturedHeaders(Mapping[int, torch.Tensor]):
@@ -273,12 +286,11 @@ class NvshmemTransport(WindowTransport):
         self._put_blocks: dict[tuple[tuple[int, ...], int], PutBlock] = {}
         if data_path == "put":
             # Collective: the same size on every PE (the most peers either role has).
-            staging_bytes = symmetric_bytes(window, data_path) - window.total_bytes
-            self._staging_address = self._lib.malloc(staging_bytes)
-            for p in range(self.num_peers):
-                start = self._staging_address + p * window.total_bytes
+            self._staging_address = self._lib.malloc(staging_bytes(window))
+            device_bytes(self._staging_address, staging_bytes(window), self._device).zero_()
+            for p in range(self.num_peers):  # overlapping views (staging_stride)
+                start = self._staging_address + p * staging_stride(window)
                 self._staging.append(device_bytes(start, window.total_bytes, self._device))
-                self._staging[-1].zero_()
         if self._staging:  # the abort's put, compiled now rather than on the failure path
             self._put_block(range(self.num_peers), window.abort_word_offset(rank), False).prepare()
         torch.cuda.synchronize(self._device)
