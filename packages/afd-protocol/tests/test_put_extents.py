@@ -6,39 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 from staged_transport import StagedLoopbackWorld
+from test_wire_formats import FORMATS, HIDDEN, layout_of, run_layer
 
 from afd_protocol import (
     HEADER_FIXED_WORDS,
-    PeerTimeout,
-    Role,
     SlotLayout,
-    Topology,
     Word,
     extent_rules,
     used_extents,
 )
 from afd_protocol.core import extents as extents_module
-from afd_protocol.testing import LinearExperts, random_routing
-from afd_protocol.window import WindowOptions
-
-HIDDEN = 8
-FAST = WindowOptions(timeout=0.05)
-FORMATS = [("per_choice", "attention"), ("per_rank", "attention"), ("per_rank", "ffn")]
-
-
-def layout_of(wire: str, reduce: str, shared: str = "attention", **kw: int) -> SlotLayout:
-    a, f, per_dp = kw.get("a", 2), kw.get("f", 3), kw.get("per_dp", 1)
-    topo = Topology(a, f, kw.get("experts", 7), attn_ranks_per_dp=per_dp)
-    return SlotLayout(
-        topo,
-        HIDDEN,
-        kw.get("tokens", 32),
-        kw.get("topk", 3),
-        dtype="float32",
-        shared_placement=shared,
-        wire_format=wire,
-        combine_reduce=reduce,
-    )
 
 
 def test_extents_follow_the_header_counts_field_by_field() -> None:
@@ -77,34 +54,12 @@ def test_an_empty_message_sends_only_its_header() -> None:
     ]
 
 
-def run_layer(layout: SlotLayout, jobs: list[tuple[int, int]]) -> tuple[list, list, int]:
+def staged_layer(layout: SlotLayout, jobs: list[tuple[int, int]]) -> tuple[list, list, int, int]:
+    """:func:`test_wire_formats.run_layer` with two stages in flight (both ring slots used)
+    over a :class:`StagedLoopbackWorld`; also the bytes it put and the whole fields'."""
     world = StagedLoopbackWorld(layout.window(ring_depth=2))
-    topo = layout.topology
-    attention = [
-        world.connection(Role.ATTENTION, r).attention_endpoint(FAST)
-        for r in range(topo.num_attention_ranks)
-    ]
-    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(topo.num_ffn_ranks)]
-    experts = LinearExperts(4, topo.num_experts, HIDDEN, seed=3)
-    gen = torch.Generator().manual_seed(3)
-    inputs, handles = [], []
-    for stage in range(2):  # two stages in flight, so both ring slots are used
-        for ep, (tokens, layer) in zip(attention, jobs, strict=True):
-            x, ids, w = random_routing(tokens, HIDDEN, layout.topk, range(topo.num_experts), gen)
-            inputs.append((layer + stage, x, ids, w))
-            handles.append(ep.dispatch(layer + stage, x, ids, w, stage=stage))
-    for ffn in ffns:
-        while True:
-            try:
-                item = ffn.next_work_item(timeout=0.01)
-            except PeerTimeout:
-                break
-            experts.reply_to(ffn, item)
-    eps = [ep for _ in range(2) for ep in attention]
-    outputs = [ep.combine(h) for ep, h in zip(eps, handles, strict=True)]
-    shared_on_ffn = layout.shared_cap > 0
-    references = [experts.reference(layer, x, ids, w, shared_on_ffn) for layer, x, ids, w in inputs]
-    return outputs, references, (world.bytes_put, world.whole_fields)
+    outputs, references, _ = run_layer(layout, jobs, seed=3, world=world, stages=2)
+    return outputs, references, world.bytes_put, world.whole_fields
 
 
 @pytest.mark.parametrize(("wire", "reduce"), FORMATS)
@@ -113,9 +68,9 @@ def run_layer(layout: SlotLayout, jobs: list[tuple[int, int]]) -> tuple[list, li
 def test_every_format_round_trips_through_the_used_extents_alone(
     wire: str, reduce: str, shared: str, per_dp: int
 ) -> None:
-    layout = layout_of(wire, reduce, shared=shared, per_dp=per_dp)
+    layout = layout_of(wire, reduce, f=3, shared=shared, per_dp=per_dp)
     jobs = [(30, 0), (5, 0)] if per_dp == 2 else [(30, 2), (5, 0)]
-    outputs, references, (moved, whole) = run_layer(layout, jobs)
+    outputs, references, moved, whole = staged_layer(layout, jobs)
     for out, ref in zip(outputs, references, strict=True):
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
@@ -139,5 +94,5 @@ def test_dropping_one_used_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
     import staged_transport
 
     monkeypatch.setattr(staged_transport, "used_extents", one_row_short)
-    outputs, _, _ = run_layer(layout_of("per_choice", "attention"), [(30, 2), (5, 0)])
+    outputs, _, _, _ = staged_layer(layout_of("per_choice", "attention", f=3), [(30, 2), (5, 0)])
     assert any(not torch.isfinite(out).all() for out in outputs)

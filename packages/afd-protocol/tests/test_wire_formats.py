@@ -198,12 +198,17 @@ def test_rank_weights_zero_the_choices_held_elsewhere() -> None:
 
 
 def run_layer(
-    layout: SlotLayout, jobs: list[tuple[int, int]], seed: int = 0
+    layout: SlotLayout,
+    jobs: list[tuple[int, int]],
+    seed: int = 0,
+    world: LoopbackWorld | None = None,
+    stages: int = 1,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, int]]:
-    """Dispatch one layer from every attention rank (``jobs``: (tokens, layer) per rank),
-    serve it with linear experts, combine; returns outputs, references and the routed rows
-    that travelled each way."""
-    world = LoopbackWorld(layout.window(ring_depth=1))
+    """Dispatch one layer from every attention rank (``jobs``: (tokens, layer) per rank;
+    with ``stages`` > 1, that many in flight per rank, stage ``s`` at layer + ``s``), serve
+    it with linear experts, combine; returns outputs, references and the routed rows that
+    travelled each way. ``world``: the windows (default: a loopback world, one ring)."""
+    world = world if world is not None else LoopbackWorld(layout.window(ring_depth=1))
     topo = layout.topology
     attention = [
         world.connection(Role.ATTENTION, r).attention_endpoint(FAST)
@@ -212,11 +217,13 @@ def run_layer(
     ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(topo.num_ffn_ranks)]
     experts = LinearExperts(4, topo.num_experts, HIDDEN, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    inputs, handles = [], []
-    for ep, (tokens, layer) in zip(attention, jobs, strict=True):
-        x, ids, w = random_routing(tokens, HIDDEN, layout.topk, range(topo.num_experts), gen)
-        inputs.append((layer, x, ids, w))
-        handles.append(ep.dispatch(layer, x, ids, w))
+    inputs, handles, senders = [], [], []
+    for stage in range(stages):
+        for ep, (tokens, layer) in zip(attention, jobs, strict=True):
+            x, ids, w = random_routing(tokens, HIDDEN, layout.topk, range(topo.num_experts), gen)
+            inputs.append((layer + stage, x, ids, w))
+            handles.append(ep.dispatch(layer + stage, x, ids, w, stage=stage))
+            senders.append(ep)
     moved = {"dispatch": 0, "reply": 0}
     for ffn in ffns:
         while True:
@@ -227,7 +234,7 @@ def run_layer(
             moved["dispatch"] += sum(int(p.routed_rows.shape[0]) for p in item.parts)
             moved["reply"] += item.num_routed_rows
             experts.reply_to(ffn, item)
-    outputs = [ep.combine(h) for ep, h in zip(attention, handles, strict=True)]
+    outputs = [ep.combine(h) for ep, h in zip(senders, handles, strict=True)]
     shared_on_ffn = layout.shared_cap > 0
     references = [experts.reference(layer, x, ids, w, shared_on_ffn) for layer, x, ids, w in inputs]
     return outputs, references, moved
