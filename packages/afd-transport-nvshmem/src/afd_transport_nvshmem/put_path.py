@@ -259,6 +259,7 @@ class PutBlock(PublishBlock):
         self._flag_offset = flag_offset
         self._request = torch.zeros(1 + n, dtype=torch.int32, pin_memory=True)
         self._words = (ctypes.c_int32 * (1 + n)).from_address(self._request.data_ptr())
+        self._request_pointer = HostPointer(self._request)
         self._done = torch.Event(device=device)
         self._prepared = False
 
@@ -292,7 +293,7 @@ class PutBlock(PublishBlock):
     def _flags(self, warmup: bool = False):
         kernel = _put_flags_kernel.warmup if warmup else _put_flags_kernel.run
         return kernel(
-            HostPointer(self._request),
+            self._request_pointer,
             self._bases,
             self._pes,
             self._flag_offset,

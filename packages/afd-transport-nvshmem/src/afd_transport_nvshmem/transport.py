@@ -109,6 +109,8 @@ from afd_transport_nvshmem.kernel_specs import WindowKernels
 from afd_transport_nvshmem.mps import check_gpu_sharing, client_share
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from afd_transport_nvshmem.device_wait import DeviceWaiter
     from afd_transport_nvshmem.flag_publish import FlagBlock, FlagPublisher
     from afd_transport_nvshmem.put_path import PutBlock
@@ -258,10 +260,11 @@ class NvshmemTransport(WindowTransport):
             gpus = {w: str(r.extra["gpu"]) for w, r in records.items()} | {world: gpu}
             shares = {w: r.extra.get("mps") for w, r in records.items()} | {world: share}
             check_gpu_sharing(gpus, shares, topo.rank_name)
+            self._device_library: Path | None = None
             if data_path == "put":  # before any collective call: a rank without it fails all
                 from afd_transport_nvshmem.put_path import find_device_library
 
-                find_device_library(self._lib.path)
+                self._device_library = find_device_library(self._lib.path)
             for w, r in records.items():
                 theirs = r.extra.get("data_path", "mapped")
                 if theirs != data_path:
@@ -283,7 +286,7 @@ class NvshmemTransport(WindowTransport):
         self._local.zero_()
         self._staging_address = 0
         self._staging: list[torch.Tensor] = []
-        self._put_blocks: dict[tuple[tuple[int, ...], int], PutBlock] = {}
+        self._put_blocks: dict[tuple[tuple[int, ...], int, bool], PutBlock] = {}
         if data_path == "put":
             # Collective: the same size on every PE (the most peers either role has).
             self._staging_address = self._lib.malloc(staging_bytes(window))
@@ -367,10 +370,11 @@ class NvshmemTransport(WindowTransport):
     def _put_block(self, peers: Sequence[int], word_offset: int, slot: bool) -> PutBlock:
         """The put path's block publishing this rank's slot of flag ``word_offset`` (or, with
         ``slot=False``, only setting the int32 word at ``word_offset``) to ``peers``."""
-        from afd_transport_nvshmem.put_path import PutBlock, find_device_library
+        from afd_transport_nvshmem.put_path import PutBlock
 
+        assert self._device_library is not None  # found at start-up on the put path
         wanted = tuple(self.check_peer(p) for p in peers)
-        key = (wanted, word_offset if slot else -1 - word_offset)
+        key = (wanted, word_offset, slot)
         block = self._put_blocks.get(key)
         if block is None:
             slot_offset = None
@@ -381,7 +385,7 @@ class NvshmemTransport(WindowTransport):
                 slot_offset = self.window.slot_offset(region, ring)
             block = PutBlock(
                 self._lib,
-                find_device_library(self._lib.path),
+                self._device_library,
                 self._device,
                 [self._staging[p].data_ptr() for p in wanted],
                 self._heap_address,
@@ -553,8 +557,9 @@ class NvshmemTransport(WindowTransport):
                     offset = self.window.abort_word_offset(self.rank)
                     everyone = range(self.num_peers)
                     self._put_block(everyone, offset, False).publish([1] * self.num_peers)
-                for aborts in self._peer_aborts if not self._staging else []:
-                    aborts[self.rank : self.rank + 1].fill_(1)
+                else:
+                    for aborts in self._peer_aborts:
+                        aborts[self.rank : self.rank + 1].fill_(1)
             self._abort_stream.synchronize()
         # Peers waiting at a barrier (close) stop waiting for this rank.
         self._rendezvous.fail("aborted")
