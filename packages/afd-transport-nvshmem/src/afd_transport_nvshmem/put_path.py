@@ -190,13 +190,15 @@ def copy_extents(
     window: WindowLayout,
     slot_offset: int,
     device: torch.device,
+    chunks: int = CHUNKS,
 ) -> None:
     """Step 1 with loads and stores (``COPY``): copy the used extents of the slot at
     ``slot_offset`` of each staging window (addresses) to the same offset of the matching
-    destination window (addresses this device can store to), on the current stream."""
+    destination window (addresses this device can store to), on the current stream, with
+    ``chunks`` programs per destination (the put uses :data:`CHUNKS`)."""
     rules = rule_table(window, device)
     n = len(staging)
-    _put_extents_kernel[(n, CHUNKS)](
+    _put_extents_kernel[(n, chunks)](
         torch.tensor(list(staging), dtype=torch.int64).to(device),
         torch.tensor(list(dest_bases), dtype=torch.int64).to(device),
         torch.zeros(n, dtype=torch.int32, device=device),
@@ -204,7 +206,7 @@ def copy_extents(
         slot_offset,
         N_RULES=rules.numel() // RULE_COLUMNS,
         RULE_COLUMNS=RULE_COLUMNS,
-        CHUNKS=CHUNKS,
+        CHUNKS=chunks,
         COPY=True,
         COPY_BLOCK=COPY_BLOCK,
     )
