@@ -343,6 +343,33 @@ def test_per_rank_wire_sends_fewer_bytes_than_per_choice() -> None:
 
 
 # calibration round trip -------------------------------------------------------------------
+def synthetic_deployment(a: int, f: int, workload: str, **changes: Any) -> Deployment:
+    """The deployment record of a simulated "measurement" (CPU, ``tiny``, budget 256)."""
+    record = Deployment(
+        device="cpu",
+        preset="tiny",
+        layers=None,
+        dtype="float32",
+        attention_ranks=a,
+        ffn_ranks=f,
+        max_num_batched_tokens=256,
+        stages=1,
+        colocated="dp",
+        assign="round-robin",
+        wire_format=Wire().format,
+        combine_reduce=Wire().combine_reduce,
+        shared=Wire().shared,
+        transport="shm",
+        backend="reference",
+        workload=workload,
+        workload_file=None,
+        max_prompt_len=256,
+        rate=None,
+        seed=0,
+    )
+    return dataclasses.replace(record, **changes)
+
+
 def _synthetic_runs(truth: Calibration) -> list[MeasuredRun]:
     """Simulated "measurements" of several configurations with known coefficients."""
     out = []
@@ -367,28 +394,7 @@ def _synthetic_runs(truth: Calibration) -> list[MeasuredRun]:
         out.append(
             MeasuredRun(
                 source=f"synthetic {a}A{f}F",
-                deployment=Deployment(
-                    device="cpu",
-                    preset="tiny",
-                    layers=None,
-                    dtype="float32",
-                    attention_ranks=a,
-                    ffn_ranks=f,
-                    max_num_batched_tokens=256,
-                    stages=1,
-                    colocated="dp",
-                    assign="round-robin",
-                    wire_format=Wire().format,
-                    combine_reduce=Wire().combine_reduce,
-                    shared=Wire().shared,
-                    transport="shm",
-                    backend="reference",
-                    workload=name,
-                    workload_file=None,
-                    max_prompt_len=256,
-                    rate=None,
-                    seed=0,
-                ),
+                deployment=synthetic_deployment(a, f, name),
                 requests=tuple(requests),
                 modes=modes,
             )

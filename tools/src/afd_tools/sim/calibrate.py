@@ -76,6 +76,7 @@ def _key(run: MeasuredRun) -> tuple[Any, ...]:
         run.assign,
         run.wire,
         run.requests,
+        run.split,
     )
 
 
@@ -98,6 +99,7 @@ def replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str]) 
 
 
 def _deployment(run: MeasuredRun, cal: Calibration) -> Any:
+    shares = _shares(run, cal)
     return deployment(
         run.config,
         cal,
@@ -109,7 +111,18 @@ def _deployment(run: MeasuredRun, cal: Calibration) -> Any:
         colocated=run.colocated,
         wire=run.wire,
         dtype=run.dtype,
+        attention_share=shares[0],
+        ffn_share=shares[1],
     )
+
+
+def _shares(run: MeasuredRun, cal: Calibration) -> tuple[float | None, float | None]:
+    """The SM shares ``run`` was measured at, as :func:`deployment` takes them (None when
+    the calibration has no share term)."""
+    split = run.role_split()
+    if split is None or cal.attention_share is None:
+        return None, None
+    return split
 
 
 ATTENTION_FEATURES = ("attn_token_s", "attn_square_s", "attn_fixed_s")
@@ -132,10 +145,13 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
     pairs = [(rp, m.breakdown) for rp in replays for m in rp.measured]
     for rp, b in pairs:
         recs = [r for r in rp.sim.replicas if r.totals.layers]
+        # The simulated work carries the run's share scale; the fitted coefficients are
+        # at the calibration's shares, so each input counts scale times.
+        scaled = _deployment(rp.run, cal)
         if b.compute_ms_per_layer is not None and recs:
             row = [0.0, 0.0, 0.0]
             for r in recs:
-                s = r.attention.stretch / r.totals.layers / len(recs)
+                s = r.attention.stretch / r.totals.layers / len(recs) * scaled.attention_scale
                 row[0] += s * r.attention.tokens
                 row[1] += s * r.attention.square
                 row[2] += s * r.attention.count
@@ -151,7 +167,7 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
             disp_t.append(b.dispatch_ms_per_layer / 1e3)
         f = rp.sim.ffn
         if b.ffn_ms_per_item is not None and f.items:
-            s = f.stretch / f.items
+            s = f.stretch / f.items * scaled.ffn_scale
             ffn_rows.append([s * f.rows, s * f.serves, s * f.touched])
             ffn_t.append(b.ffn_ms_per_item / 1e3)
     fits: list[LinearFit] = [
@@ -214,7 +230,26 @@ def _start(run: MeasuredRun, cores: float | None, notify: float) -> Calibration:
         collective_bandwidth=COLLECTIVE_BANDWIDTH,
         cores=cores,
         comm_uses_cores=run.device == "cpu",
+        host_barrier=run.device != "cpu",
     )
+
+
+def reference_split(runs: Sequence[MeasuredRun]) -> tuple[float, float] | None:
+    """The (attention, FFN) SM shares a calibration from ``runs`` is stated at: the split
+    most runs were measured at (runs at other splits are fitted through
+    :func:`~afd_tools.sim.costs.share_scale`); None when no run was measured under MPS
+    shares. :class:`SimError` when some were and others were not."""
+    splits = [run.role_split() for run in runs]
+    with_shares = [s for s in splits if s is not None]
+    if not with_shares:
+        return None
+    if len(with_shares) < len(splits):
+        bare = next(r.source for r, s in zip(runs, splits, strict=True) if s is None)
+        raise SimError(
+            f"some runs were measured under CUDA MPS shares and some were not ({bare}); "
+            f"calibrate each kind separately"
+        )
+    return max(dict.fromkeys(with_shares), key=with_shares.count)
 
 
 def fit_runs(
@@ -234,19 +269,15 @@ def fit_runs(
         raise SimError(
             f"the runs mix presets/layers/dtypes/devices {mixed}; calibrate each separately"
         )
-    splits = sorted({r.split for r in runs})
-    if len(splits) > 1:
-        raise SimError(
-            f"the runs were measured at different SM splits under CUDA MPS ({'; '.join(splits)}):"
-            f" the cost model has no share term, so one calibration holds one split; "
-            f"calibrate each split separately"
-        )
+    reference = reference_split(runs)
     best: tuple[float, Calibration, dict[str, str]] | None = None
     points = [(c, n, i) for c in cores_grid for n in notify_grid for i in idle_grid]
     for index, (cores, notify, idle) in enumerate(points):
         if cores is None and idle != idle_grid[0]:
             continue  # idle polling only matters when the ranks share cores
         cal = _start(first, cores, notify).replace(idle_load=idle)
+        if reference is not None:
+            cal = cal.replace(attention_share=reference[0], ffn_share=reference[1])
         for _ in range(ITERATIONS):
             cal, dropped = _regress(replay(runs, cal, AFD_MODES), cal)
         value = score(runs, cal)

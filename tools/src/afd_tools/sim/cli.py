@@ -127,6 +127,17 @@ def _deployment_options(p: argparse.ArgumentParser) -> None:
         "ffn_extra_item_s instead of a whole item)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for role in ("attention", "ffn"):
+        p.add_argument(
+            f"--{role}-share",
+            type=float,
+            default=None,
+            metavar="PERCENT",
+            help=f"percent of one GPU's SMs each {role} rank holds under CUDA MPS (needs a "
+            f"calibration measured under MPS shares; compute scales as calibrated share / "
+            f"this, measured 1.8-2.2x faster at 50 %% than at 25 %%; default: the "
+            f"calibration's)",
+        )
 
 
 def _calibrate_parser(kinds: Any) -> None:
@@ -176,6 +187,15 @@ def _sweep_parser(kinds: Any) -> None:
     )
     s.add_argument(
         "--modes", default="async,sync,colocated", help="modes to simulate, comma-separated"
+    )
+    s.add_argument(
+        "--ffn-shares",
+        default=None,
+        metavar="PERCENTS",
+        help="one GPU shared under CUDA MPS: --gpus counts the ranks on it, and each split is "
+        "tried at each of these percents of the SMs per FFN rank (comma-separated), the "
+        "attention ranks sharing the rest equally; needs an MPS calibration and --modes "
+        "without colocated",
     )
     _workload_options(s)
     _deployment_options(s)
@@ -281,6 +301,8 @@ def run_sim(args: argparse.Namespace) -> int:
         colocated=colocated,
         ffn_batch=args.ffn_batch,
         wire=_wire(args),
+        attention_share=args.attention_share,
+        ffn_share=args.ffn_share,
     )
     lengths = _lengths(args, config)
     arrivals = _arrivals(args, len(lengths))
@@ -297,6 +319,7 @@ def run_sim(args: argparse.Namespace) -> int:
         f"({args.workload_file or args.workload}: {sum(lengths)} tokens, sum of squares "
         f"{sum(n * n for n in lengths)}), modes {', '.join(modes)}; colocated = {colocated}"
         f"{'' if cal.cores is None else f'; {cal.cores:g} shared cores'}"
+        f"{_shares_note(cal, args.attention_share, args.ffn_share)}"
     )
     results = simulate(dep, modes, requests, args.assign)
     summaries: dict[str, ModeSummary] = {m: s for m, (_, s) in results.items()}
@@ -323,6 +346,19 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     print(f"simulated in {time.perf_counter() - started:.2f} s")
     return 0
+
+
+def _shares_note(cal: Calibration, attention: float | None, ffn: float | None) -> str:
+    """``; SM shares attention 25 %, FFN 50 % (calibrated at 25 % / 25 %)`` or nothing."""
+    if cal.attention_share is None or cal.ffn_share is None:
+        return ""
+    a = cal.attention_share if attention is None else attention
+    f = cal.ffn_share if ffn is None else ffn
+    return (
+        f"; SM shares attention {a:.4g} %, FFN {f:.4g} % (calibrated at "
+        f"{cal.attention_share:.4g} % / {cal.ffn_share:.4g} %; a colocated mode computes at "
+        f"the calibrated shares)"
+    )
 
 
 # afd sim calibrate ------------------------------------------------------------------------
@@ -412,6 +448,13 @@ def _bundle_parser(kinds: Any) -> None:
         "-o", "--output", type=Path, required=True, help="the bundle (name it *.json.gz)"
     )
     b.add_argument("--notes", default="", help="free text kept in the bundle (machine, date)")
+    b.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        default=None,
+        help="keep only the runs of this preset (a calibration holds one; afd bench prefill "
+        "writes every preset it ran into one file)",
+    )
     b.set_defaults(handler=run_bundle)
 
 
@@ -422,7 +465,9 @@ def run_bundle(args: argparse.Namespace) -> int:
     argv = ["afd", "sim", "bundle", *(str(p) for p in args.runs), "-o", str(args.output)]
     if args.notes:
         argv += ["--notes", args.notes]
-    data = measured.bundle(list(args.runs), shlex.join(argv), args.notes)
+    if args.preset:
+        argv += ["--preset", args.preset]
+    data = measured.bundle(list(args.runs), shlex.join(argv), args.notes, args.preset)
     payload = measured.encode_bundle(data)
     write_atomically(args.output, lambda tmp: tmp.write_bytes(payload))
     print(f"wrote {args.output}: {len(data['reports'])} reports, {len(payload) / 1e3:.1f} kB")
@@ -546,14 +591,27 @@ def run_sweep(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise SimError(f"--modes: {bad or modes} not among {list(MODES)}")
+    ffn_shares = None
+    if args.ffn_shares is not None:
+        if args.attention_share is not None or args.ffn_share is not None:
+            raise SimError(
+                "--ffn-shares chooses every rank's share; leave out --attention-share and "
+                "--ffn-share"
+            )
+        ffn_shares = sweeping.parse_shares(args.ffn_shares)
     lengths = _lengths(args, config)
     arrivals = _arrivals(args, len(lengths))
-    total = sweeping.count_jobs(gpus, ratio_list, modes)
+    total = sweeping.count_jobs(gpus, ratio_list, modes, ffn_shares)
     print(
         f"afd sim sweep ({args.label}; calibration {args.calibration}: {cal.device}): preset "
         f"{args.preset or cal.preset} ({config.num_hidden_layers} layers), {len(lengths)} "
         f"requests ({args.workload_file or args.workload}, longest {max(lengths)}), budget "
         f"{args.max_num_batched_tokens}, stages {args.stages}; {total} configurations"
+        + (
+            f"; the ranks share one GPU, FFN shares {args.ffn_shares} %"
+            if ffn_shares is not None
+            else _shares_note(cal, args.attention_share, args.ffn_share)
+        )
     )
     with _bar(total, "configurations", args.no_progress) as advance:
         points = sweeping.sweep(
@@ -571,6 +629,9 @@ def run_sweep(args: argparse.Namespace) -> int:
             policy=args.assign,
             ffn_batch=args.ffn_batch,
             progress=advance,
+            ffn_shares=ffn_shares,
+            attention_share=args.attention_share,
+            ffn_share=args.ffn_share,
         )
     rows = sweeping.best(points)
     print(sweeping.markdown(rows))

@@ -20,6 +20,10 @@ measured number:
   ``notify_s`` later on the other side;
 * colocated DP+EP's all_gather + reduce_scatter: ``collective_latency_s + (G - 1) *
   bytes_per_peer / collective_bandwidth`` each;
+* ``attention_share`` / ``ffn_share`` (one GPU shared under CUDA MPS): the compute terms
+  above are for a rank holding the calibration's percent of the SMs; a rank holding
+  ``share`` percent takes ``calibrated / share`` times as long (:func:`share_scale`).
+  Dispatch and combine are not scaled;
 * ``cores``: when more ranks compute at once than there are cores, every one of them
   slows down to ``cores / busy`` (processor sharing), where a waiting rank counts as
   ``idle_load`` of a busy one (it polls); ``None`` means every rank has its own processor
@@ -91,6 +95,16 @@ class Calibration:
     comm_uses_cores: bool = False
     """Dispatch, combine and collectives compete for the cores (CPU: they are copies done by
     the processor)."""
+    host_barrier: bool = False
+    """Sync mode's per-layer barrier is a host's while the device computes (``afd run`` on a
+    GPU: the host launches a layer's attention, reaches the barrier at once, and only the
+    dispatch it launches after the barrier waits for the other replicas). False: the
+    barrier follows the attention's end (on the CPU the host computes)."""
+    attention_share: float | None = None
+    """Percent of one GPU's SMs each attention rank held (CUDA MPS) when the compute terms
+    were measured; None: a whole processor per rank, and no share term."""
+    ffn_share: float | None = None
+    """The same for each FFN rank."""
     layers: int | None = None
     """The layer count the coefficients were measured with (CPU lumps the dense layers and
     per-step work into the attention terms, so they only hold for this count)."""
@@ -143,9 +157,9 @@ def from_json(data: Any, where: str) -> Calibration:
         elif name in ("sources", "fit"):
             if not isinstance(value, dict):
                 raise SimError(f"{where}: {name} must be an object")
-        elif name == "comm_uses_cores":
+        elif name in ("comm_uses_cores", "host_barrier"):
             if not isinstance(value, bool):
-                raise SimError(f"{where}: comm_uses_cores must be true or false")
+                raise SimError(f"{where}: {name} must be true or false")
         elif value is not None and (
             isinstance(value, bool)
             or not isinstance(value, int | float)
@@ -158,7 +172,38 @@ def from_json(data: Any, where: str) -> Calibration:
             raise SimError(f"{where}: {name} must be > 0 bytes/s")
     if body.get("cores") is not None and not body["cores"] > 0:
         raise SimError(f"{where}: cores must be > 0 (or null: one processor per rank)")
+    shares = (body.get("attention_share"), body.get("ffn_share"))
+    if (shares[0] is None) != (shares[1] is None):
+        raise SimError(f"{where}: attention_share and ffn_share are both set or both null")
+    for name, share in zip(("attention_share", "ffn_share"), shares, strict=True):
+        if share is not None and not 0 < share <= 100:
+            raise SimError(f"{where}: {name} is a percent of the SMs, in (0, 100]: {share}")
     return Calibration(**body)
+
+
+SHARE_EVIDENCE = (
+    "on one H200 under CUDA MPS (2026-12-03, afd bench prefill, quick size), ranks at 50 % "
+    "of the SMs computed 1.8-2.2x as fast as at 25 % (attention and FFN, v2-lite and "
+    "v3-slice)"
+)
+
+
+def share_scale(calibrated: float | None, share: float | None, option: str) -> float:
+    """How many times as long a rank's compute takes at ``share`` percent of the SMs as at
+    the calibration's ``calibrated`` percent: ``calibrated / share`` (compute and weight
+    reads in proportion to the SMs a rank holds; :data:`SHARE_EVIDENCE`). 1 when ``share``
+    is None (the calibration's own); :class:`SimError` naming ``option`` when the
+    calibration has no shares or ``share`` is not a percent."""
+    if share is None:
+        return 1.0
+    if not (math.isfinite(share) and 0 < share <= 100):
+        raise SimError(f"{option} is a percent of the GPU's SMs, in (0, 100]: got {share:g}")
+    if calibrated is None:
+        raise SimError(
+            f"{option} needs a calibration measured under CUDA MPS shares (this one has "
+            f"none: each rank is a whole processor); calibrate from runs with --share-gpus"
+        )
+    return calibrated / share
 
 
 SHIPPED = ("cpu-tiny", "h200-v3", "h200-v2-lite", "h200-mps-v3")
@@ -257,9 +302,20 @@ class CostModel:
     """The formulas of the module docstring for one configuration (A, F, shapes, wire)."""
 
     def __init__(
-        self, cal: Calibration, shapes: Shapes, attention_ranks: int, ffn_ranks: int, wire: Wire
+        self,
+        cal: Calibration,
+        shapes: Shapes,
+        attention_ranks: int,
+        ffn_ranks: int,
+        wire: Wire,
+        attention_scale: float = 1.0,
+        ffn_scale: float = 1.0,
     ) -> None:
+        """``attention_scale`` and ``ffn_scale`` multiply each role's compute
+        (:func:`share_scale`)."""
         self.cal = cal
+        self.attention_scale = attention_scale
+        self.ffn_scale = ffn_scale
         self.shapes = shapes
         self.wire = wire
         self.attention_ranks = attention_ranks
@@ -302,7 +358,7 @@ class CostModel:
             cost += cal.dense_token_s * tokens
         elif not self.shared_on_ffn:
             cost += cal.shared_token_s * tokens * self.shapes.shared_experts
-        return cost
+        return cost * self.attention_scale
 
     def _link_s(self, total_bytes: float, bandwidth: float) -> float:
         """Seconds for ``total_bytes`` spread evenly over the FFN peers."""
@@ -352,7 +408,7 @@ class CostModel:
                 * self.shared_ffn_tokens_per_token
                 * (self.shapes.shared_experts)
             )
-        return cost
+        return cost * self.ffn_scale
 
     # colocated -----------------------------------------------------------------------
     def monolithic_moe_s(self, tokens: float) -> float:

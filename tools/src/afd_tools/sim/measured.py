@@ -51,6 +51,20 @@ class MeasuredRun:
             return ", ".join(f"{role} {share} %" for role, share in sorted(roles.items()))
         return ", ".join(f"{name} {share} %" for name, share in sorted(self.mps_shares.items()))
 
+    def role_split(self) -> tuple[float, float] | None:
+        """(attention, FFN) percent of the SMs each rank held under CUDA MPS; None when no
+        shares were recorded. :class:`SimError` when the ranks of a role held different
+        shares (the cost model has one share per role)."""
+        if not self.mps_shares:
+            return None
+        roles = role_shares(self.mps_shares)
+        if roles is None or set(roles) != {"attention", "ffn"}:
+            raise SimError(
+                f"{self.source}: the ranks of a role held different SM shares ({self.split}); "
+                f"the simulator models one share per role"
+            )
+        return float(roles["attention"]), float(roles["ffn"])
+
     @property
     def device(self) -> str:
         return self.deployment.device
@@ -306,16 +320,20 @@ def read_runs(paths: list[Path]) -> list[MeasuredRun]:
     return out
 
 
-def bundle(paths: list[Path], command: str, notes: str) -> dict[str, Any]:
-    """One run bundle of every report in ``paths`` (each checked to parse), named by its
-    file name; bundles and bench files are flattened into it."""
+def bundle(
+    paths: list[Path], command: str, notes: str, preset_name: str | None = None
+) -> dict[str, Any]:
+    """One run bundle of every report in ``paths`` (each checked to parse; only those of
+    ``preset_name`` when given), named by its file name; bundles and bench files are
+    flattened into it."""
     reports = []
     for path in paths:
         for where, name, report in _reports(_load(path), path):
-            parse_report(report, where)
-            reports.append({"source": name, "report": report})
+            if preset_name is None or parse_report(report, where).preset == preset_name:
+                reports.append({"source": name, "report": report})
     if not reports:
-        raise SimError("no measured runs in the given files")
+        kept = "" if preset_name is None else f" of preset {preset_name}"
+        raise SimError(f"no measured runs{kept} in the given files")
     names = [r["source"] for r in reports]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

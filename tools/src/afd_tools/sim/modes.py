@@ -331,6 +331,11 @@ class Simulation:
                     pending[i] = None
                 work = costs.attention_s(tokens, square, layer)
                 send = costs.dispatch_s(tokens) if moe and not lockstep else 0.0
+                # A host barrier is reached as the attention is launched (Calibration.
+                # host_barrier); otherwise once it is computed.
+                barrier = (
+                    self._barrier.arrive(r) if moe and lockstep and costs.cal.host_barrier else None
+                )
                 t0 = engine.now
                 yield (COMPUTE, combine + work + send, 1)
                 waited += self._account(rec, t0, combine, work, send, tokens, square)
@@ -338,7 +343,7 @@ class Simulation:
                     continue
                 if lockstep:  # sync: the barrier, then the dispatch
                     t0 = engine.now
-                    yield (WAIT, self._barrier.arrive(r))
+                    yield (WAIT, barrier or self._barrier.arrive(r))
                     rec.totals.barrier_s += engine.now - t0
                     waited += engine.now - t0
                     send = costs.dispatch_s(tokens)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from afd_models import DeepseekConfig
 from afd_tools.prefill.metrics import ModeSummary, percentile, summarize
 from afd_tools.prefill.workload import Request, assign
-from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
+from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire, share_scale
 from afd_tools.sim.modes import COLOCATED, MODES, ModeRun, Setup, Simulation
 
 
@@ -21,10 +21,18 @@ class Deployment:
     setup: Setup
     wire: Wire
     calibration: Calibration
+    attention_scale: float = 1.0
+    """Each attention rank's compute against the calibration's (:func:`share_scale`)."""
+    ffn_scale: float = 1.0
 
-    def costs(self) -> CostModel:
+    def costs(self, shares: bool = True) -> CostModel:
+        """The cost model; without ``shares``, at the calibration's own SM shares (the
+        colocated baselines: the share options describe the AFD ranks)."""
         s = self.setup
-        return CostModel(self.calibration, self.shapes, s.attention_ranks, s.ffn_ranks, self.wire)
+        scales = (self.attention_scale, self.ffn_scale) if shares else (1.0, 1.0)
+        return CostModel(
+            self.calibration, self.shapes, s.attention_ranks, s.ffn_ranks, self.wire, *scales
+        )
 
 
 def deployment(
@@ -40,9 +48,22 @@ def deployment(
     wire: Wire | None = None,
     dtype: str | None = None,
     min_stage_tokens: int = 0,
+    attention_share: float | None = None,
+    ffn_share: float | None = None,
 ) -> Deployment:
-    """Check the options (one :class:`SimError` naming the bad one) and bundle them."""
+    """Check the options (one :class:`SimError` naming the bad one) and bundle them.
+    ``attention_share`` / ``ffn_share``: percent of one GPU's SMs each rank of the role
+    holds under CUDA MPS (None: the calibration's)."""
     problems = []
+    scales = []
+    for option, calibrated, share in (
+        ("--attention-share", calibration.attention_share, attention_share),
+        ("--ffn-share", calibration.ffn_share, ffn_share),
+    ):
+        try:
+            scales.append(share_scale(calibrated, share, option))
+        except SimError as exc:
+            problems.append(str(exc))
     if attention_ranks < 1 or ffn_ranks < 1:
         problems.append("--attention-ranks and --ffn-ranks must be >= 1")
     if budget < 1:
@@ -64,7 +85,7 @@ def deployment(
     setup = Setup(
         attention_ranks, ffn_ranks, budget, stages, colocated, ffn_batch, min_stage_tokens
     )
-    return Deployment(shapes, setup, wire, calibration)
+    return Deployment(shapes, setup, wire, calibration, *scales)
 
 
 def simulate_mode(
@@ -77,7 +98,7 @@ def simulate_mode(
     s = dep.setup
     if mode == "colocated" and s.colocated == "dp-ep":
         requests = reassign(requests, s.attention_ranks + s.ffn_ranks, policy)
-    return Simulation(mode, s, dep.costs(), requests).run()
+    return Simulation(mode, s, dep.costs(shares=mode != "colocated"), requests).run()
 
 
 def reassign(

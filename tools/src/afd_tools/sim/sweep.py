@@ -5,6 +5,11 @@ the async and sync AFD deployments are simulated on the same requests, and coloc
 DP+EP once on all ``G`` ranks. Per GPU count the report names the best split for each
 AFD mode (highest tokens/s) and the ratios of async to sync and to colocated at their
 best.
+
+With ``ffn_shares`` (a calibration measured under CUDA MPS), the ``G`` ranks share one GPU
+instead: each split is tried at each FFN share (percent of the SMs per FFN rank), the A
+attention ranks sharing the rest equally -- the SM split is AFD's lever on one GPU, as
+the A:F ratio is on many.
 """
 
 from __future__ import annotations
@@ -33,10 +38,46 @@ class Point:
     ttft_p50: float
     ttft_p99: float
     makespan_s: float
+    attention_share: float | None = None
+    """Percent of one GPU's SMs per attention rank (None: a GPU each)."""
+    ffn_share: float | None = None
 
     @property
     def split(self) -> str:
-        return f"{self.attention_ranks}:{self.ffn_ranks}"
+        ratio = f"{self.attention_ranks}:{self.ffn_ranks}"
+        if self.attention_share is None or self.ffn_share is None:
+            return ratio
+        return f"{ratio} ({self.attention_share:.4g} % / {self.ffn_share:.4g} %)"
+
+
+def share_splits(
+    attention_ranks: int, ffn_ranks: int, ffn_shares: Sequence[float] | None
+) -> list[tuple[float | None, float | None]]:
+    """(attention share, FFN share) pairs to try for A:F on one GPU: each of
+    ``ffn_shares`` with the attention ranks sharing the rest of the SMs equally (pairs that
+    leave the attention ranks under 1 % dropped); ``[(None, None)]`` without shares."""
+    if ffn_shares is None:
+        return [(None, None)]
+    out: list[tuple[float | None, float | None]] = []
+    for share in ffn_shares:
+        left = (100.0 - ffn_ranks * share) / attention_ranks
+        if left >= 1.0:
+            out.append((left, share))
+    return out
+
+
+def parse_shares(text: str) -> list[float]:
+    """``"25,33.3,50"`` -> FFN shares in percent; :class:`SimError` on a bad entry."""
+    out = []
+    for part in text.split(","):
+        try:
+            share = float(part)
+        except ValueError:
+            share = float("nan")
+        if not 0 < share < 100:
+            raise SimError(f"--ffn-shares: {part.strip()!r} is not a percent in (0, 100)")
+        out.append(share)
+    return out
 
 
 def parse_ratios(text: str) -> list[Fraction]:
@@ -81,21 +122,21 @@ def sweep(
     ffn_batch: int = 1,
     progress: Callable[[], None] | None = None,
     min_stage_tokens: int = 0,
+    ffn_shares: Sequence[float] | None = None,
+    attention_share: float | None = None,
+    ffn_share: float | None = None,
 ) -> list[Point]:
-    """Every configuration's simulated figures."""
-    jobs: list[tuple[int, int, int, str]] = []
-    for g in gpus:
-        if g < 2:
-            raise SimError(f"--gpus: {g} is too few (AFD needs an attention and an FFN GPU)")
-        chosen = splits(g, ratios)
-        if not chosen and any(m != "colocated" for m in modes):
-            raise SimError(f"--gpus {g}: none of the --ratios splits {g} GPUs evenly")
-        for a, f in chosen:
-            jobs += [(g, a, f, m) for m in modes if m != "colocated"]
-        if "colocated" in modes:
-            jobs.append((g, max(1, g // 2), g - max(1, g // 2), "colocated"))
+    """Every configuration's simulated figures (``ffn_shares``: the module docstring)."""
+    if ffn_shares is not None and "colocated" in modes:
+        raise SimError(
+            "--ffn-shares: on one GPU the colocated baseline is the monolithic model on the "
+            "whole GPU, which the simulator does not model; use --modes async,sync"
+        )
+    jobs = _jobs(gpus, ratios, modes, ffn_shares)
     points = []
-    for g, a, f, mode in jobs:
+    for g, a, f, mode, shares in jobs:
+        if shares == (None, None):
+            shares = (attention_share, ffn_share)  # fixed for every split, or None
         dep = deployment(
             config,
             calibration,
@@ -107,18 +148,67 @@ def sweep(
             colocated="dp-ep",
             ffn_batch=ffn_batch,
             wire=wire,
+            attention_share=shares[0],
+            ffn_share=shares[1],
         )
         requests: list[Request] = assign(lengths, arrivals, a, policy)
         s = headline(simulate_mode(dep, mode, requests, policy))
-        points.append(Point(g, a, f, mode, s.tokens_per_s, s.ttft_p50, s.ttft_p99, s.makespan_s))
+        points.append(
+            Point(
+                g,
+                a,
+                f,
+                mode,
+                s.tokens_per_s,
+                s.ttft_p50,
+                s.ttft_p99,
+                s.makespan_s,
+                *shares,
+            )
+        )
         if progress is not None:
             progress()
     return points
 
 
-def count_jobs(gpus: Sequence[int], ratios: Sequence[Fraction] | None, modes: Sequence[str]) -> int:
-    afd = sum(m != "colocated" for m in modes)
-    return sum(len(splits(g, ratios)) * afd + ("colocated" in modes) for g in gpus)
+Job = tuple[int, int, int, str, tuple[float | None, float | None]]
+
+
+def _jobs(
+    gpus: Sequence[int],
+    ratios: Sequence[Fraction] | None,
+    modes: Sequence[str],
+    ffn_shares: Sequence[float] | None,
+) -> list[Job]:
+    """(G, A, F, mode, shares) of every configuration; :class:`SimError` for a GPU count
+    with nothing to simulate."""
+    jobs: list[Job] = []
+    for g in gpus:
+        if g < 2:
+            raise SimError(f"--gpus: {g} is too few (AFD needs an attention and an FFN GPU)")
+        chosen = splits(g, ratios)
+        if not chosen and any(m != "colocated" for m in modes):
+            raise SimError(f"--gpus {g}: none of the --ratios splits {g} GPUs evenly")
+        for a, f in chosen:
+            pairs = share_splits(a, f, ffn_shares)
+            if not pairs:
+                raise SimError(
+                    f"--ffn-shares: every share leaves {a} attention ranks under 1 % of the "
+                    f"GPU at {a}:{f}; give smaller FFN shares"
+                )
+            jobs += [(g, a, f, m, pair) for pair in pairs for m in modes if m != "colocated"]
+        if "colocated" in modes:
+            jobs.append((g, max(1, g // 2), g - max(1, g // 2), "colocated", (None, None)))
+    return jobs
+
+
+def count_jobs(
+    gpus: Sequence[int],
+    ratios: Sequence[Fraction] | None,
+    modes: Sequence[str],
+    ffn_shares: Sequence[float] | None = None,
+) -> int:
+    return len(_jobs(gpus, ratios, modes, ffn_shares))
 
 
 def best(points: Sequence[Point]) -> list[dict[str, Any]]:
@@ -164,6 +254,13 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def attention_fraction(point: Point) -> float:
+    """The attention side's share of the hardware: A / (A + F) GPUs, or of one GPU's SMs."""
+    if point.attention_share is None:
+        return point.attention_ranks / point.gpus
+    return point.attention_ranks * point.attention_share / 100.0
+
+
 def write_plot(path: Path, points: Sequence[Point], title: str) -> None:
     """Left: tokens/s per GPU of the best split per mode against GPU count; right: every
     split's async and sync tokens/s against its attention share A/(A+F)."""
@@ -192,17 +289,17 @@ def write_plot(path: Path, points: Sequence[Point], title: str) -> None:
         for mode in ("async", "sync"):
             of = sorted(
                 (p for p in points if p.gpus == g and p.mode == mode),
-                key=lambda p: p.attention_ranks,
+                key=attention_fraction,
             )
             if of:
                 right.plot(
-                    [p.attention_ranks / g for p in of],
+                    [attention_fraction(p) for p in of],
                     [p.tokens_per_s / g for p in of],
                     "-" if mode == "async" else "--",
                     marker=".",
                     label=f"{mode}, {g} GPUs",
                 )
-    right.set_xlabel("attention share A / (A + F)")
+    right.set_xlabel("attention's share: A / (A + F), or of one GPU's SMs with --ffn-shares")
     right.set_ylabel("tokens/s per GPU")
     right.legend(fontsize=7, ncol=2)
     right.set_title("every split (solid async, dashed sync)")

@@ -1,0 +1,343 @@
+"""The simulator's one-GPU terms: ranks holding shares of the SMs under CUDA MPS (a cost
+that scales as calibrated share / share, fitted across runs at different splits, swept by
+``afd sim sweep --ffn-shares``) and sync's per-layer barrier on the host while the device
+computes (``Calibration.host_barrier``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_sim import EXACT, ONE_LAYER, _cal, _generic_truth, synthetic_deployment
+
+from afd_models import preset
+from afd_tools.cli import main
+from afd_tools.prefill.workload import assign
+from afd_tools.sim import costs
+from afd_tools.sim.calibrate import fit_runs, reference_split, replay
+from afd_tools.sim.costs import Calibration, SimError, share_scale
+from afd_tools.sim.measured import MeasuredRun
+from afd_tools.sim.simulate import deployment, simulate, simulate_mode, summary
+from afd_tools.sim.sweep import share_splits
+
+MPS = {"attention_share": 25.0, "ffn_share": 25.0}
+
+
+def _mps_cal(**changes: Any) -> Calibration:
+    return _cal(**MPS).replace(**changes)
+
+
+def _one_layer(mode: str, cal: Calibration, **shares: float) -> Any:
+    dep = deployment(ONE_LAYER, cal, attention_ranks=2, ffn_ranks=1, budget=64, **shares)
+    return summary(simulate_mode(dep, mode, assign([10, 30], [0.0, 0.0], 2, "round-robin")))
+
+
+# the share term -----------------------------------------------------------------------------
+def test_share_scale_is_calibrated_share_over_share() -> None:
+    assert share_scale(25.0, 50.0, "--ffn-share") == 0.5
+    assert share_scale(25.0, 12.5, "--ffn-share") == 2.0
+    assert share_scale(25.0, None, "--ffn-share") == 1.0
+    assert share_scale(None, None, "--ffn-share") == 1.0
+    for bad in (0.0, -5.0, 100.5, math.nan, math.inf):
+        with pytest.raises(SimError, match=r"--attention-share is a percent .* \(0, 100\]"):
+            share_scale(25.0, bad, "--attention-share")
+    with pytest.raises(SimError, match="--ffn-share needs a calibration measured under CUDA MPS"):
+        share_scale(None, 50.0, "--ffn-share")
+
+
+def test_twice_the_share_halves_every_compute_by_hand() -> None:
+    # test_sim's async schedule with every compute halved (attention 1 + 0.1 T -> half,
+    # FFN 0.05 per row -> half; dispatch, combine and arrival unchanged): replica 0
+    # attention 0-1, dispatch 1-1.5, FFN 1.625-2.125, back 2.25, combine -> 2.5; replica 1
+    # attention 0-2, dispatch 2-2.5, FFN 2.625-4.125, back 4.25, combine -> 4.5.
+    s = _one_layer("async", _mps_cal(), attention_share=50.0, ffn_share=50.0)
+    assert s.makespan_s == pytest.approx(4.5)
+    assert s.ttft_p50 == pytest.approx(2.5)
+    # At the calibration's own shares nothing changes (test_sim: 8.0).
+    assert _one_layer("async", _mps_cal()).makespan_s == pytest.approx(8.0)
+    assert _one_layer("async", _mps_cal(), attention_share=25.0).makespan_s == pytest.approx(8.0)
+    # Only the FFN at 50 %: replica 1's 3 s item takes 1.5 s.
+    s = _one_layer("async", _mps_cal(), ffn_share=50.0)
+    assert s.makespan_s == pytest.approx(8.0 - 1.5)
+
+
+def test_the_colocated_baseline_keeps_the_calibrations_shares() -> None:
+    plain = _one_layer("colocated", _mps_cal())
+    shared = _one_layer("colocated", _mps_cal(), attention_share=50.0, ffn_share=50.0)
+    assert shared.makespan_s == plain.makespan_s
+
+
+def test_shares_need_a_calibration_measured_under_mps() -> None:
+    with pytest.raises(SimError, match="--attention-share needs a calibration measured"):
+        deployment(ONE_LAYER, _cal(), attention_ranks=1, ffn_ranks=1, budget=64, attention_share=50)
+    assert main(["sim", "--calibration", "cpu-tiny", "--ffn-share", "50"]) == 2
+
+
+def test_a_calibration_files_shares_are_checked(tmp_path: Path, capsys: Any) -> None:
+    data = costs.load("h200-mps-v3").to_json()
+    assert (data["attention_share"], data["ffn_share"]) == (25.0, 25.0)
+    for changes, message in (
+        ({"ffn_share": None}, "attention_share and ffn_share are both set or both null"),
+        ({"ffn_share": 0}, r"ffn_share is a percent of the SMs, in \(0, 100\]"),
+        ({"attention_share": 101}, r"attention_share is a percent of the SMs"),
+        ({"host_barrier": 1}, "host_barrier must be true or false"),
+    ):
+        with pytest.raises(SimError, match=message):
+            costs.from_json({**data, **changes}, "x")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**data, "ffn_share": 0}))
+    assert main(["sim", "--calibration", str(bad)]) == 2
+    assert "ffn_share" in capsys.readouterr().err
+
+
+# the host barrier ---------------------------------------------------------------------------
+def test_a_host_barrier_is_reached_as_the_attention_is_launched_by_hand() -> None:
+    # test_sim's sync schedule, but both replicas reach the layer's barrier at 0.0625 (the
+    # step's exchange), when they launch their attention; it releases at 0.125, long before
+    # either attention ends. Replica 0: attention until 2.0625, dispatch -> 2.5625, FFN
+    # 2.6875-3.6875, back 3.8125, combine -> 4.0625. Replica 1: attention until 4.0625,
+    # dispatch -> 4.5625, FFN 4.6875-7.6875, back 7.8125, combine -> 8.0625.
+    s = _one_layer("sync", _cal(host_barrier=True))
+    assert s.makespan_s == pytest.approx(8.0625)
+    assert s.ttft_p50 == pytest.approx(4.0625)
+    assert s.breakdown.barrier_ms_per_layer == pytest.approx(0.0)
+    # After the compute (the CPU's barrier): test_sim's 9.125.
+    assert _one_layer("sync", _cal()).makespan_s == pytest.approx(9.125)
+
+
+def test_a_host_barrier_still_holds_every_dispatch_until_every_reply_of_the_layer() -> None:
+    """Two MoE layers, one step per replica (10 and 60 tokens): no item of layer 1 reaches
+    the FFN before both replies to layer 0 are back (a host reaches the next barrier only
+    after its combine) -- sync's lockstep. Async has none: its short replica's layer 1 is
+    served before the long replica's layer 0 is."""
+    config = preset("tiny", num_layers=2, first_k_dense_replace=0)
+    cal = _cal(host_barrier=True)
+    requests = assign([10, 60], [0.0, 0.0], 2, "round-robin")
+    dep = deployment(config, cal, attention_ranks=2, ffn_ranks=1, budget=64)
+
+    def first_layer_one_before_layer_zero_is_back(mode: str) -> bool:
+        intervals = simulate_mode(dep, mode, requests).ffn_intervals[0]
+        assert sorted(layer for *_, layer, _ in intervals) == [0, 0, 1, 1]
+        back = max(replied for _, replied, _, layer, _ in intervals if layer == 0) + cal.notify_s
+        return min(taken for taken, _, _, layer, _ in intervals if layer == 1) < back
+
+    assert not first_layer_one_before_layer_zero_is_back("sync")
+    assert first_layer_one_before_layer_zero_is_back("async")
+    sync = summary(simulate_mode(dep, "sync", requests))
+    assert sync.breakdown.barrier_ms_per_layer > 0  # the short replica waited
+
+
+# calibrating across splits ------------------------------------------------------------------
+def _mps_runs(truth: Calibration, layouts: list[tuple[int, int, int, int]]) -> list[MeasuredRun]:
+    """Simulated "measurements" on one GPU: (A, F, attention share, FFN share) each, at
+    several workloads, every rank's share recorded as ``afd run`` records it."""
+    config = preset("tiny")
+    workloads = {
+        0: [37, 200, 12, 90, 150, 8, 64, 256, 5, 120],
+        1: [250, 10, 10, 240, 16, 200, 30, 9],
+        2: [180, 45, 3, 77, 210, 33, 128, 60, 14, 99],
+    }
+    out = []
+    for i, (a, f, a_share, f_share) in enumerate(layouts):
+        lengths = workloads[i % 3]
+        requests = assign(lengths, [0.0] * len(lengths), a, "round-robin")
+        dep = deployment(
+            config,
+            truth,
+            attention_ranks=a,
+            ffn_ranks=f,
+            budget=256,
+            attention_share=a_share,
+            ffn_share=f_share,
+        )
+        modes = {m: s for m, (_, s) in simulate(dep, ["async", "sync"], requests).items()}
+        shares = {f"attention rank {r}": a_share for r in range(a)}
+        shares |= {f"ffn rank {r}": f_share for r in range(f)}
+        out.append(
+            MeasuredRun(
+                source=f"synthetic {a}A{f}F at {a_share}/{f_share}",
+                deployment=synthetic_deployment(
+                    a,
+                    f,
+                    f"w{i % 3}",
+                    device="cuda",
+                    colocated="mono",
+                    transport="nvshmem",
+                    backend="grouped_mm",
+                ),
+                requests=tuple(requests),
+                modes=modes,
+                mps_shares=shares,
+            )
+        )
+    return out
+
+
+GPU_TRUTH = _generic_truth().replace(
+    device="cuda", attention_share=25.0, ffn_share=25.0, host_barrier=True
+)
+GRIDS: dict[str, Any] = {
+    "cores_grid": (None,),
+    "notify_grid": (GPU_TRUTH.notify_s,),
+    "idle_grid": (0.0,),
+}
+TRAINING = [(1, 1, 25, 25), (2, 1, 25, 25), (1, 2, 25, 25), (2, 2, 25, 25), (3, 1, 25, 25)]
+
+
+def test_runs_at_other_splits_are_fitted_through_the_share_term() -> None:
+    """Runs at three splits fit the truth's coefficients (stated at the split most runs
+    share), and a split the fit never saw is predicted exactly."""
+    runs = _mps_runs(GPU_TRUTH, [*TRAINING, (1, 1, 50, 50), (2, 1, 30, 40)])
+    assert reference_split(runs) == (25.0, 25.0)
+    fitted = fit_runs(runs, **GRIDS)
+    assert (fitted.attention_share, fitted.ffn_share, fitted.host_barrier) == (25.0, 25.0, True)
+    for name in ("attn_fixed_s", "attn_token_s", "attn_square_s", "ffn_row_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(GPU_TRUTH, name), rel=1e-6), name
+    unseen = _mps_runs(GPU_TRUTH, [(2, 1, 20, 60), (3, 1, 20, 40)])
+    for rp in replay(unseen, fitted, ["async", "sync"]):
+        predicted, measured = summary(rp.sim), rp.measured[0]
+        assert predicted.makespan_s == pytest.approx(measured.makespan_s, rel=EXACT), rp.run.label
+        assert predicted.ttft_p50 == pytest.approx(measured.ttft_p50, rel=EXACT), rp.run.label
+
+
+def test_a_fit_without_the_share_term_would_miss_the_other_split() -> None:
+    """The check above can fail: predicting the 50 % runs at the 25 % costs is far off."""
+    fitted = fit_runs(_mps_runs(GPU_TRUTH, TRAINING), **GRIDS)
+    unseen = _mps_runs(GPU_TRUTH, [(2, 1, 50, 50)])
+    blind = fitted.replace(attention_share=None, ffn_share=None)
+    off = [
+        summary(rp.sim).makespan_s / rp.measured[0].makespan_s
+        for rp in replay(unseen, blind, ["async", "sync"])
+    ]
+    assert all(ratio > 1.3 for ratio in off), off
+
+
+def test_runs_with_and_without_shares_or_uneven_roles_are_refused() -> None:
+    mps = _mps_runs(GPU_TRUTH, TRAINING[:2])
+    bare = MeasuredRun(
+        source="bare.json",
+        deployment=mps[0].deployment,
+        requests=mps[0].requests,
+        modes=mps[0].modes,
+    )
+    with pytest.raises(SimError, match=r"some runs were measured under CUDA MPS .*bare\.json"):
+        fit_runs([*mps, bare], **GRIDS)
+    uneven = MeasuredRun(
+        source="uneven.json",
+        deployment=mps[1].deployment,
+        requests=mps[1].requests,
+        modes=mps[1].modes,
+        mps_shares={"attention rank 0": 20, "attention rank 1": 30, "ffn rank 0": 50},
+    )
+    with pytest.raises(SimError, match=r"uneven\.json: the ranks of a role held different SM"):
+        fit_runs([mps[0], uneven], **GRIDS)
+    assert reference_split([bare]) is None
+
+
+# sweeping the split of one GPU --------------------------------------------------------------
+def test_share_splits_give_the_attention_ranks_what_the_ffn_leaves() -> None:
+    assert share_splits(2, 1, [25.0, 50.0, 99.0]) == [(37.5, 25.0), (25.0, 50.0)]
+    assert share_splits(3, 1, None) == [(None, None)]
+    assert share_splits(1, 2, [50.0]) == []  # nothing left for attention
+
+
+def _sweep(tmp_path: Path, *extra: str) -> int:
+    return main(
+        [
+            "sim",
+            "sweep",
+            "--calibration",
+            "h200-mps-v3",
+            "--gpus",
+            "3,4",
+            "--ratios",
+            "2:1,3:1,1:1",
+            "--requests",
+            "12",
+            "--max-prompt-len",
+            "4096",
+            "--max-num-batched-tokens",
+            "8192",
+            "--no-progress",
+            *extra,
+        ]
+    )
+
+
+def test_sweep_over_ffn_shares_on_one_gpu(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "sweep.json"
+    code = _sweep(tmp_path, "--ffn-shares", "25,50", "--modes", "async,sync", "--json", str(out))
+    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "the ranks share one GPU, FFN shares 25,50 %" in printed
+    report = json.loads(out.read_text())
+    points = report["points"]
+    # 3 ranks: 2:1 at 25 % (attention 37.5 %) and 50 % (25 %); 4 ranks: 3:1 at both
+    # (25 %, 16.67 %); 2:2 at 25 % (25 %; 50 % leaves nothing); two modes each.
+    assert len(points) == (2 + 2 + 1) * 2
+    shares = {(p["attention_ranks"], p["ffn_ranks"], p["ffn_share"]) for p in points}
+    assert (2, 2, 50.0) not in shares
+    for p in points:
+        used = p["attention_ranks"] * p["attention_share"] + p["ffn_ranks"] * p["ffn_share"]
+        assert used == pytest.approx(100.0)
+        assert math.isfinite(p["tokens_per_s"])
+        assert p["tokens_per_s"] > 0
+    best = {row["gpus"]: row for row in report["best"]}
+    assert "%" in best[3]["async"]["split"]
+
+
+def test_sweep_over_ffn_shares_refuses_what_it_cannot_model(tmp_path: Path, capsys: Any) -> None:
+    assert _sweep(tmp_path, "--ffn-shares", "25") == 2  # colocated is in the default modes
+    assert "the monolithic model on the whole GPU" in capsys.readouterr().err
+    assert _sweep(tmp_path, "--ffn-shares", "25,x", "--modes", "async") == 2
+    assert "'x' is not a percent" in capsys.readouterr().err
+    assert _sweep(tmp_path, "--ffn-shares", "25", "--ffn-share", "30", "--modes", "async") == 2
+    assert "leave out --attention-share" in capsys.readouterr().err
+    assert (
+        _sweep(tmp_path, "--ffn-shares", "60", "--ratios", "1:2", "--gpus", "3", "--modes", "async")
+        == 2
+    )
+    assert "leaves 1 attention ranks under 1 %" in capsys.readouterr().err
+
+
+# the shipped one-GPU measurements -----------------------------------------------------------
+CALIBRATIONS = Path(costs.__file__).with_name("calibrations")
+
+
+@pytest.mark.parametrize(
+    ("preset_name", "summary_line"),
+    [
+        (
+            "v2-lite",
+            "makespan_s: 10 of 12 within 15%, mean |error| 11.3%, worst 19.8%; ttft_p50: 7 of "
+            "12 within 15%, mean |error| 17.2%, worst 53.3%",
+        ),
+        (
+            "v3-slice",
+            "makespan_s: 11 of 12 within 15%, mean |error| 8.1%, worst 19.7%; ttft_p50: 9 of "
+            "12 within 15%, mean |error| 12.2%, worst 46.5%",
+        ),
+    ],
+)
+def test_the_quick_one_gpu_runs_validate_as_docs_sim_says(
+    preset_name: str, summary_line: str, capsys: Any
+) -> None:
+    """docs/sim.md's one-GPU validation table, remade from the shipped measurements: the
+    1A1F rows at 50 % of the SMs are predicted from the runs at 25 % (the share term)."""
+    bundle = CALIBRATIONS / f"h200-mps-quick-{preset_name}-runs.json.gz"
+    assert main(["sim", "validate", str(bundle), "--cores-grid", "none", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert summary_line in printed
+    assert "| 1A1F uneven 12 req, budget 8192, stages 1 | async | 1 |" in printed
+
+
+def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> None:
+    source = CALIBRATIONS / "h200-mps-quick-v3-slice-runs.json.gz"
+    out = tmp_path / "v3.json.gz"
+    assert main(["sim", "bundle", str(source), "--preset", "v3-slice", "-o", str(out)]) == 0
+    assert "8 reports" in capsys.readouterr().out
+    assert main(["sim", "bundle", str(source), "--preset", "v2-lite", "-o", str(out)]) == 2
+    assert "no measured runs of preset v2-lite" in capsys.readouterr().err
