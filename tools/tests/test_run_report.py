@@ -265,8 +265,12 @@ def test_the_simulator_reads_a_real_run_report_as_before(tmp_path: Path) -> None
     assert run.modes["async"].tokens_per_s > 0
 
 
-def test_calibration_refuses_runs_measured_at_different_sm_splits() -> None:
-    from afd_tools.sim.calibrate import fit_runs
+def test_a_reports_sm_split_is_read_for_the_share_term() -> None:
+    """The split each report records is what the calibration's share term reads: runs at
+    several splits calibrate together (stated at the split most share:
+    test_sim_one_gpu), but not beside runs without shares, nor runs whose ranks of one
+    role held different shares."""
+    from afd_tools.sim.calibrate import fit_runs, reference_split
     from afd_tools.sim.measured import measured_run
 
     def at(shares: dict[str, int]) -> Any:
@@ -276,17 +280,20 @@ def test_calibration_refuses_runs_measured_at_different_sm_splits() -> None:
     half = at({"attention rank 0": 25, "attention rank 1": 25, "ffn rank 0": 50})
     quarter = at({"attention rank 0": 25, "attention rank 1": 25, "ffn rank 0": 25})
     assert half.split == "attention 25 %, ffn 50 %"
+    assert half.role_split() == (25.0, 50.0)
     assert at({}).split == "no MPS shares"
-    assert at({"attention rank 0": 20, "attention rank 1": 30}).split == (
-        "attention rank 0 20 %, attention rank 1 30 %"
-    )
+    assert at({}).role_split() is None
+    uneven = at({"attention rank 0": 20, "attention rank 1": 30, "ffn rank 0": 50})
+    assert uneven.split == "attention rank 0 20 %, attention rank 1 30 %, ffn rank 0 50 %"
+    assert reference_split([half, quarter, quarter]) == (25.0, 25.0)
     with pytest.raises(SimError) as caught:
-        fit_runs([half, quarter])
+        fit_runs([half, at({})])
     assert str(caught.value) == (
-        "the runs were measured at different SM splits under CUDA MPS (attention 25 %, ffn "
-        "25 %; attention 25 %, ffn 50 %): the cost model has no share term, so one calibration "
-        "holds one split; calibrate each split separately"
+        "some runs were measured under CUDA MPS shares and some were not (run.json); "
+        "calibrate each kind separately"
     )
+    with pytest.raises(SimError, match="the ranks of a role held different SM shares"):
+        fit_runs([half, uneven])
 
 
 def test_a_run_against_the_monolithic_baseline_calibrates_on_its_afd_modes_alone() -> None:
