@@ -52,9 +52,21 @@ def test_all_modes_verify_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert phases[0] > 0.0  # the ranks take time to start
     data = json.loads(report.read_text())
     assert set(data["modes"]) == {"async", "sync", "colocated"}
-    for summary in data["modes"].values():
+    prompt_tokens = sum(r["prompt_len"] for r in data["requests"])
+    replicas = data["deployment"]["attention_ranks"]
+    for mode, summary in data["modes"].items():
         assert summary["tokens_per_s"] > 0
         assert 0 <= summary["ttft_p50"] <= summary["ttft_p99"]
+        # Every step's record: its tokens (sync adds one-token dummy batches), its
+        # dispatches (the breakdown's MoE layers, summed over the replicas), its compute.
+        steps = summary["attention_steps"]
+        tokens = sum(step[0] for step in steps)
+        assert tokens == prompt_tokens if mode != "sync" else tokens >= prompt_tokens
+        dispatches = sum(step[2] for step in steps)
+        layers = summary["breakdown"].get("moe_layers", 0.0) * replicas
+        assert dispatches == pytest.approx(layers), mode
+        assert all(step[3] > 0 for step in steps), mode
+        assert sum(step[3] for step in steps) <= replicas * summary["makespan_s"], mode
     assert data["verification_failures"] == {}
     for mode in ("async", "sync", "colocated"):  # float32: exact, so nothing to follow
         assert data["verification_near_ties"][mode]["followed"] == 0

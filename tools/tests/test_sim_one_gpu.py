@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sim import EXACT, ONE_LAYER, _cal, _generic_truth, synthetic_deployment
+from test_sim import (
+    EXACT,
+    ONE_LAYER,
+    _cal,
+    _generic_truth,
+    synthetic_deployment,
+    without_steps,
+)
 
 from afd_models import preset
 from afd_tools.cli import main
@@ -235,6 +242,48 @@ def test_runs_with_and_without_shares_or_uneven_roles_are_refused() -> None:
     with pytest.raises(SimError, match=r"uneven\.json: the ranks of a role held different SM"):
         fit_runs([mps[0], uneven], **GRIDS)
     assert reference_split([bare]) is None
+
+
+# per-step records ---------------------------------------------------------------------------
+def test_step_records_separate_the_squared_length_cost_that_means_cannot() -> None:
+    """Runs at one workload and budget (as every one-GPU run so far): from per-layer means
+    the fit cannot determine all three attention coefficients and sets one to 0; from the
+    per-step records (tokens, squared lengths, compute of each step) it recovers each."""
+    layouts = [(2, 1, 25, 25), (3, 1, 25, 25), (2, 2, 25, 25)]
+    runs = [r for r in _mps_runs(GPU_TRUTH, layouts * 3) if r.workload == "w1"]
+    assert {len(r.requests) for r in runs} == {8}
+    attention = {"attn_fixed_s", "attn_token_s", "attn_square_s"}
+    blind = fit_runs([without_steps(r) for r in runs], **GRIDS)
+    lost = attention & set(blind.fit["not_determined"])
+    assert lost
+    assert all(getattr(blind, name) == 0.0 for name in lost)
+    fitted = fit_runs(runs, **GRIDS)
+    assert not attention & set(fitted.fit.get("not_determined", {}))
+    for name in ("attn_fixed_s", "attn_token_s", "attn_square_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(GPU_TRUTH, name), rel=1e-6), name
+
+
+def test_a_simulated_replicas_step_records_add_up_to_its_sums() -> None:
+    """Each replica's step records add up to its mode sums (the step's time outside
+    dispatch, combine and the barrier; its dispatches; its batches' tokens, plus one per
+    dummy batch), in every mode and at two stages."""
+    config = preset("tiny", num_layers=2, first_k_dense_replace=1)
+    lengths = [37, 200, 12, 90, 150, 8, 64, 256, 5, 120]
+    for stages in (1, 2):
+        dep = deployment(
+            config, GPU_TRUTH, attention_ranks=2, ffn_ranks=1, budget=256, stages=stages
+        )
+        for mode in ("async", "sync", "colocated"):
+            run = simulate_mode(dep, mode, assign(lengths, [0.0] * 10, 2, "round-robin"))
+            for rec in run.replicas:
+                t = rec.totals
+                steps = rec.attention_steps
+                assert len(steps) == len(rec.batches)
+                compute = t.step_s - t.dispatch_s - t.combine_s - t.barrier_s
+                assert sum(step[3] for step in steps) == pytest.approx(compute, rel=1e-12)
+                assert sum(step[2] for step in steps) == t.layers
+                batch_tokens = sum(tokens for *_, tokens in rec.batches)
+                assert sum(step[0] for step in steps) == batch_tokens + rec.dummy_batches
 
 
 # sweeping the split of one GPU --------------------------------------------------------------

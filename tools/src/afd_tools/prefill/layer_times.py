@@ -109,3 +109,20 @@ class LayerTimes:
             "combine_ms_per_layer": self.combine_s * per,
             "barrier_ms_per_layer": self.barrier_s * per,
         }
+
+    def step_entry(self, before: LayerTimes, tokens: int, square: int) -> list[float]:
+        """One step's entry of a replica's ``attention_steps`` (:data:`afd_tools.prefill.
+        metrics.STEP_FIELDS`): ``tokens`` and ``square`` of the step, and from these sums
+        (after the step) less ``before`` (at its start), its MoE dispatches and its compute
+        -- the step's time outside dispatch, combine and the barrier, as :meth:`as_dict`
+        counts compute."""
+        outside = (
+            self.dispatch_s
+            - before.dispatch_s
+            + self.combine_s
+            - before.combine_s
+            + self.barrier_s
+            - before.barrier_s
+        )
+        compute = max(0.0, self.step_s - before.step_s - outside)
+        return [float(tokens), float(square), float(self.layers - before.layers), compute]

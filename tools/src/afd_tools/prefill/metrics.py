@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afd_tools.prefill.layer_times import LayerBreakdown
-from afd_tools.prefill.typed_json import dataclass_from_json
+from afd_tools.prefill.typed_json import check_value, dataclass_from_json, field_error
 from afd_tools.prefill.workload import Request
 
 
@@ -45,6 +45,30 @@ class ReplicaTimes:
     """Per MoE layer: compute, dispatch, combine and barrier times
     (:meth:`afd_tools.prefill.layer_times.LayerTimes.as_dict`); empty where the replica
     timed no MoE layer."""
+    attention_steps: list[list[float]] = field(default_factory=list)
+    """Per step (:data:`STEP_FIELDS`): what the step computed and the seconds of its compute
+    (the breakdown's compute, step by step); empty where steps were not timed."""
+
+
+STEP_FIELDS = ("tokens", "square", "dispatches", "compute_s")
+"""One entry of ``attention_steps``: the step's tokens, ``sum(end**2 - begin**2)`` over
+its prompt pieces (a whole prompt of ``n`` tokens adds ``n**2``), its MoE dispatches (MoE
+layers times stages), and its compute in seconds -- the step's time outside dispatch,
+combine and sync's barrier, on the device's timeline on a GPU: attention, dense layers,
+router, local shared experts. What lets ``afd sim calibrate`` tell attention's cost per
+token from its cost per squared length, which per-layer means cannot."""
+
+
+def step_problem(steps: Sequence[Sequence[float]]) -> tuple[int, str] | None:
+    """The first entry of ``steps`` that is not :data:`STEP_FIELDS` (each finite and
+    >= 0), as (index, what is wrong); None when every entry is."""
+    for i, entry in enumerate(steps):
+        if len(entry) != len(STEP_FIELDS) or not all(math.isfinite(v) and v >= 0 for v in entry):
+            return i, (
+                f"must be {len(STEP_FIELDS)} finite numbers >= 0 ({', '.join(STEP_FIELDS)}), "
+                f"got {list(entry)!r:.80}"
+            )
+    return None
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,14 @@ class ModeSummary:
     ttft_s: list[float] = field(default_factory=list)
     """Every request's time to first token (seconds from its arrival to the end of its
     prefill), in request order; empty in reports written before it was recorded."""
+    attention_steps: list[list[float]] = field(default_factory=list)
+    """Every attention replica's steps (:data:`STEP_FIELDS`), replica after replica; empty
+    in reports written before they were recorded."""
+
+    def __post_init__(self) -> None:
+        problem = step_problem(self.attention_steps)
+        if problem is not None:
+            raise ValueError(f"attention_steps[{problem[0]}] {problem[1]}")
 
     def goodput(self, ttft_slo_s: float) -> float | None:
         """Requests per second of the mode's makespan whose TTFT met ``ttft_slo_s`` (the
@@ -82,11 +114,13 @@ class ModeSummary:
         return self.to_json()
 
     def to_json(self) -> dict[str, Any]:
-        """This summary as the report's ``modes`` object holds it (without ``ttft_s`` where
-        it is empty, as reports were written before it was recorded)."""
+        """This summary as the report's ``modes`` object holds it (without ``ttft_s`` and
+        ``attention_steps`` where they are empty, as reports were written before they were
+        recorded)."""
         out = {**self.__dict__, "breakdown": self.breakdown.to_json()}
-        if not self.ttft_s:
-            del out["ttft_s"]
+        for name in ("ttft_s", "attention_steps"):
+            if not out[name]:
+                del out[name]
         return out
 
     @classmethod
@@ -94,8 +128,20 @@ class ModeSummary:
         """A summary from its ``to_json`` object; a :class:`ReportError` that names
         ``where`` and the field when one is missing or of the wrong type."""
         return dataclass_from_json(
-            cls, obj, where, name, readers={"breakdown": LayerBreakdown.from_json}
+            cls,
+            obj,
+            where,
+            name,
+            readers={"breakdown": LayerBreakdown.from_json, "attention_steps": _read_steps},
         )
+
+
+def _read_steps(obj: Any, where: str, name: str) -> list[list[float]]:
+    steps: list[list[float]] = check_value(obj, list[list[float]], where, name)
+    problem = step_problem(steps)
+    if problem is not None:
+        raise field_error(where, f"{name}[{problem[0]}]", problem[1])
+    return steps
 
 
 def _busy_spans(
@@ -167,6 +213,7 @@ def summarize(
         dummy_batches=sum(r.dummy_batches for r in replica_results),
         breakdown=breakdown,
         ttft_s=ttft,
+        attention_steps=[step for r in replica_results for step in r.attention_steps],
     )
 
 

@@ -398,6 +398,8 @@ class ReplicaMode:
 
     def __init__(self, setup: ReplicaSetup) -> None:
         self.setup = setup
+        self._steps: list[list[float]] = []
+        """This mode's step records (:func:`step_record`) since :meth:`run` began."""
 
     def forward(self, entries: list[Prompt], rows: int, cache: KVCache) -> StepOutput:
         """One step's forward: its output and the seconds of it spent waiting."""
@@ -436,12 +438,14 @@ class ReplicaMode:
         step's waiting is the combines' and barriers' spans on the device's timeline
         instead (the breakdown's columns), so that busy + waiting describe the device."""
         timed = self.setup.timed
+        before = dataclasses.replace(timed.totals)
         timed.begin_step()
         output, waited = self.forward(entries, rows, cache)
         combined, barred = timed.totals.combine_s, timed.totals.barrier_s
         timed.end_step()  # waits for the device: the step's end is when its work ended
         if self.waits_in_combine and timed.clock.cuda:
             waited = timed.totals.combine_s - combined + timed.totals.barrier_s - barred
+        self._steps.append(step_record(entries, before, timed.totals))
         return output, waited
 
     def run(self) -> ModeResult:
@@ -450,10 +454,24 @@ class ReplicaMode:
         setup = self.setup
         setup.lockstep.barrier(setup.run_timeout, f"start of mode {self.name}")
         setup.timed.totals = LayerTimes()
+        self._steps = []
         result = setup.loop.run(self.step, setup.lockstep if self.lockstepped else None)
         if setup.timed.totals.layers:
             result.layer_times = setup.timed.totals.as_dict()
+        result.attention_steps = self._steps
         return result
+
+
+def step_record(entries: list[Prompt], before: LayerTimes, after: LayerTimes) -> list[float]:
+    """One entry of :attr:`ReplicaTimes.attention_steps` for a step over ``entries`` (a
+    one-token dummy batch counts as a prompt of one token; :meth:`LayerTimes.step_entry`)."""
+    tokens = square = 0
+    for entry in entries:
+        begin = entry.start if isinstance(entry, PromptChunk) else 0
+        length = len(entry.tokens if isinstance(entry, PromptChunk) else entry)
+        tokens += length
+        square += (begin + length) ** 2 - begin**2
+    return after.step_entry(before, tokens, square)
 
 
 class AsyncMode(ReplicaMode):

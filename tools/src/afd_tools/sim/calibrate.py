@@ -11,7 +11,12 @@ Two sources:
   least-squares fit (relative errors; :mod:`afd_tools.sim.fitting`, which sets to 0 and
   names, in the calibration's ``fit.not_determined``, any coefficient the runs cannot
   separate from the others) of the measured times on those inputs gives the
-  coefficients; replaying again with them refines the slow-down, three times. The number
+  coefficients; replaying again with them refines the slow-down, three times. Where a
+  report has per-step records (``attention_steps``: every step's tokens, squared lengths,
+  dispatches and compute) and the ranks do not share processors (a GPU each, or an SM
+  share each), the attention coefficients are fitted on one row per step instead
+  (:func:`step_rows`): steps of different prompt mixes separate attention's per-token from
+  its squared-length cost, which per-layer means of a few runs cannot. The number
   of ``cores`` (how much two busy processes really get on this machine: hyper-threads and
   memory bandwidth make it less than the core count) and the arrival-notification latency
   cannot be read off a breakdown, nor can the share of a core that a waiting rank's
@@ -135,6 +140,26 @@ DISPATCH_FEATURES = ("dispatch_latency_s", "dispatch_s_per_byte")
 ranks, so it cannot calibrate itself: combine is given dispatch's latency and bandwidth."""
 
 
+def step_rows(
+    run: MeasuredRun, steps: Sequence[Sequence[float]]
+) -> list[tuple[list[float], float]]:
+    """The attention regression's rows from a mode's measured steps (:data:`afd_tools.
+    prefill.metrics.STEP_FIELDS`), one per step: its inputs summed over every layer and
+    stage piece in :data:`ATTENTION_FEATURES` order (tokens, squared lengths, pieces),
+    and its measured compute. Used where every rank has its own processor (no sharing to
+    undo): each step is then a direct measurement, and steps of different prompt mixes
+    separate the per-token from the squared-length cost, which per-layer means over a
+    mode cannot."""
+    config = run.config
+    layers = config.num_hidden_layers
+    moe = sum(config.is_moe_layer(i) for i in range(layers))
+    out = []
+    for tokens, square, dispatches, compute in steps:
+        pieces = dispatches / moe if moe and dispatches else 1.0
+        out.append(([layers * tokens, layers * square, layers * pieces], compute))
+    return out
+
+
 def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict[str, str]]:
     """One least-squares pass: coefficients from the measured breakdowns, given the
     simulated inputs and slow-downs of ``replays``; and which coefficients the
@@ -142,13 +167,18 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
     attn_rows, attn_t = [], []
     ffn_rows, ffn_t = [], []
     disp_rows, disp_t = [], []
-    pairs = [(rp, m.breakdown) for rp in replays for m in rp.measured]
-    for rp, b in pairs:
+    pairs = [(rp, m) for rp in replays for m in rp.measured]
+    for rp, measured in pairs:
+        b = measured.breakdown
         recs = [r for r in rp.sim.replicas if r.totals.layers]
         # The simulated work carries the run's share scale; the fitted coefficients are
         # at the calibration's shares, so each input counts scale times.
         scaled = _deployment(rp.run, cal)
-        if b.compute_ms_per_layer is not None and recs:
+        if measured.attention_steps and cal.cores is None:
+            for row, seconds in step_rows(rp.run, measured.attention_steps):
+                attn_rows.append([scaled.attention_scale * x for x in row])
+                attn_t.append(seconds)
+        elif b.compute_ms_per_layer is not None and recs:
             row = [0.0, 0.0, 0.0]
             for r in recs:
                 s = r.attention.stretch / r.totals.layers / len(recs) * scaled.attention_scale

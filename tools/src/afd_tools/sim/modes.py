@@ -21,6 +21,7 @@ ranks are simulated as one server whose work counts F times against the cores.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -280,6 +281,7 @@ class Simulation:
                     yield (DELAY, queue.next_arrival - now)
                     continue
             start = engine.now
+            before = dataclasses.replace(rec.totals)
             if chunks:
                 pieces = stage_split(chunks, stages, self.setup.min_stage_tokens)
             else:
@@ -296,6 +298,9 @@ class Simulation:
             rec.busy_s += end - start - waited
             rec.wait_s += waited
             rec.batches.append((start, end, sum(c.end - c.begin for c in chunks)))
+            tokens = sum(c.end - c.begin for c in chunks) if chunks else 1
+            square = sum(c.end**2 - c.begin**2 for c in chunks) if chunks else 1
+            rec.attention_steps.append(rec.totals.step_entry(before, tokens, square))
             for c in chunks:
                 if c.final:
                     rec.done[c.request_id] = end
