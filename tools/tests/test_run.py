@@ -146,7 +146,14 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "PASS: every request's final hidden state matches" in out
-    ties = _strict_json(report.read_text())["verification_near_ties"]["async"]
+    data = _strict_json(report.read_text())
+    # One replica: its steps' records add up to its breakdown exactly.
+    summary = data["modes"]["async"]
+    steps, breakdown = summary["attention_steps"], summary["breakdown"]
+    assert sum(step[2] for step in steps) == breakdown["moe_layers"]
+    compute = breakdown["compute_ms_per_layer"] * breakdown["moe_layers"] / 1e3
+    assert sum(step[3] for step in steps) == pytest.approx(compute, rel=1e-9)
+    ties = data["verification_near_ties"]["async"]
     assert ties["followed"] >= 1, ties
     assert ties["decisions"] >= ties["followed"]
     assert f"async {ties['decisions']} ({ties['followed']} followed, largest gap " in out

@@ -108,6 +108,19 @@ def _check_one_gpu_sharing(placement: dict[str, object], out: str) -> None:
     assert placement["colocated_label"] == "colocated: monolithic model on one GPU (DP1, EP1)"
 
 
+def _check_step_records(data: dict[str, object]) -> None:
+    """One replica: its steps' records (timed by CUDA events) add up to the breakdown --
+    the dispatches to its MoE layers, the compute to its compute per layer times those."""
+    modes = data["modes"]
+    assert isinstance(modes, dict)
+    for mode in ("async", "sync"):
+        steps, breakdown = modes[mode]["attention_steps"], modes[mode]["breakdown"]
+        assert sum(step[2] for step in steps) == breakdown["moe_layers"], mode
+        compute = breakdown["compute_ms_per_layer"] * breakdown["moe_layers"] / 1e3
+        assert sum(step[3] for step in steps) == pytest.approx(compute, rel=1e-6), mode
+        assert all(step[3] > 0 for step in steps), mode
+
+
 def test_every_mode_on_gpus_over_host_staging(tmp_path: Path) -> None:
     """Models on the GPU, rows through host shared memory; GPUs shared (under CUDA MPS)
     when there are fewer than two."""
@@ -133,6 +146,7 @@ def test_every_mode_over_nvshmem_and_the_colocated_baseline(tmp_path: Path) -> N
     data, out = _afd(tmp_path, *SMALL, "--stages", "2", *SHARE)
     assert data["verification_failures"] == {}
     assert set(data["verification_worst"]) == {"async", "sync", "colocated"}
+    _check_step_records(data)
     args, placement = data["args"], data["placement"]
     assert isinstance(args, dict)
     assert isinstance(placement, dict)
