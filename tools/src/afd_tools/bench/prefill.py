@@ -25,7 +25,9 @@ fresh machine otherwise compiles kernels inside the first timed mode.
 
 ``--quick`` sizes keep the GPU suite short; the full size is the default. The table is
 printed, written as JSON (rewritten after every run, ``"complete": false`` until the last,
-so a stopped benchmark keeps what it measured), and with ``--docs FILE`` replaces the
+so a stopped benchmark keeps what it measured; ``--time-budget`` stops it before a run that
+would not fit, and the same command with ``--resume`` continues it:
+:mod:`afd_tools.bench.prefill_resume`), and with ``--docs FILE`` replaces the
 block between the markers ``<!-- afd bench prefill -->`` and ``<!-- /afd bench prefill
 -->`` in that file. Under the
 table, a line per placement says where the ranks ran: on one GPU the ranks share it as
@@ -64,6 +66,7 @@ from afd_tools.bench.prefill_matrix import (
     warm_up_plan,
     warms_up,
 )
+from afd_tools.bench.prefill_resume import ResumeError, resumed_runs
 from afd_tools.bench.prefill_table import BenchRun, markdown_table
 from afd_tools.outputs import check_writable, write_atomically
 from afd_tools.prefill.run_report import RunReport
@@ -154,6 +157,21 @@ def add_parser(kinds: Any) -> None:
         "--run-arg=--device=cuda --run-arg=--share-gpus; the FFN ranks' CUDA MPS share: "
         "--run-arg=--mps-ffn-share=60)",
     )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no run (with its warm-up) that the longest run so far says would end "
+        "past this many seconds from the start; the JSON then says complete: false, and "
+        "the same command with --resume continues (exit status 3 when stopped)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs the --json file already holds (the same matrix, else refused) "
+        "and run only the others; without the file, start from the first",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload and weights")
     p.add_argument("--json", type=Path, default=None, help="write every run's report here")
     p.add_argument(
@@ -229,6 +247,22 @@ def run_prefill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.resume and args.json is None:
+        print(
+            "afd bench prefill: error: --resume continues the --json file; give one",
+            file=sys.stderr,
+        )
+        return 2
+    if args.time_budget is not None and not (
+        math.isfinite(args.time_budget) and args.time_budget > 0
+    ):
+        print(
+            f"afd bench prefill: error: --time-budget must be a finite number of seconds "
+            f"> 0, got {args.time_budget}",
+            file=sys.stderr,
+        )
+        return 2
+    started = time.perf_counter()
     sweeps = sweeps_of(args)
     results: list[BenchRun] = []
     with tempfile.TemporaryDirectory(prefix="afd-bench-prefill-") as tmp:
@@ -242,8 +276,23 @@ def run_prefill(args: argparse.Namespace) -> int:
         except WorkloadError as exc:
             print(f"afd bench prefill: error: {exc}", file=sys.stderr)
             return 2
-        warm_ups = warm_up_plan(runs) if runs and warms_up(args.warm_up, runs[0][1]) else {}
+        kept: dict[int, BenchRun] = {}
         warmed: list[dict[str, Any]] = []
+        if args.resume:
+            try:
+                kept, warmed = resumed_runs(args.json, runs, size, args.ttft_slo)
+            except ResumeError as exc:
+                print(f"afd bench prefill: error: {exc}", file=sys.stderr)
+                return 2
+            if kept:
+                print(f"resuming {args.json}: {len(kept)} of {len(runs)} runs already measured")
+        todo = [i for i in range(len(runs)) if i not in kept]
+        warm_ups: dict[int, RunJob] = {}
+        if todo and warms_up(args.warm_up, runs[todo[0]][1]):
+            # A resumed benchmark may run on a fresh machine: warm up before the first run
+            # of each group that is left.
+            plan = warm_up_plan([runs[i] for i in todo])
+            warm_ups = {todo[j]: job for j, job in plan.items()}
 
         def save(complete: bool) -> None:
             """The JSON so far (rewritten after every run, so a benchmark that is stopped
@@ -263,14 +312,27 @@ def run_prefill(args: argparse.Namespace) -> int:
             )
             write_atomically(args.json, lambda tmp: tmp.write_text(data))
 
+        longest = max((r.wall_s for r in kept.values()), default=0.0)
+        stopped = False
         for index, (point, job) in enumerate(runs):
+            if index in kept:
+                results.append(kept[index])
+                continue
+            elapsed = time.perf_counter() - started
+            if args.time_budget is not None and elapsed + longest > args.time_budget:
+                stopped = True
+                break
             if index in warm_ups:
                 command, code, wall, _ = _run_announced(warm_ups[index], "warm-up, not timed")
                 warmed.append({"command": command, "exit_code": code, "wall_s": wall})
             command, code, wall, report = _run_announced(job, f"{index + 1}/{len(runs)}")
             results.append(BenchRun(point, command, code, wall, report))
+            longest = max(longest, wall + (warmed[-1]["wall_s"] if index in warm_ups else 0.0))
             save(complete=False)
-        save(complete=True)
+        if stopped:
+            save(complete=False)
+        else:
+            save(complete=True)
     failed_warm_ups = [w for w in warmed if w["exit_code"] != 0]
     table = markdown_table(results, args.ttft_slo)
     if failed_warm_ups:
@@ -280,6 +342,14 @@ def run_prefill(args: argparse.Namespace) -> int:
     print(table)
     if args.json is not None:
         print(f"wrote {args.json}")
+    if stopped:
+        print(
+            f"stopped at the time budget ({args.time_budget:g} s): {len(results)} of "
+            f"{len(runs)} runs measured, the longest took {longest:.0f} s; the same command "
+            f"with --resume continues"
+            + ("" if args.docs is None else f" ({args.docs} left as it was)")
+        )
+        return 3
     if args.docs is not None:
         update_docs(args.docs, table)
         print(f"updated {args.docs}")

@@ -1,0 +1,88 @@
+"""``afd bench prefill --resume``: continue a benchmark whose JSON holds some of its runs.
+
+A full-size matrix on one GPU takes longer than one sitting allows (a lent machine runs
+one command for at most ten minutes), so the benchmark can stop at ``--time-budget`` and be
+run again, the same command with ``--resume``: the runs its ``--json`` file already holds
+are kept as they were measured (whatever their exit code: a failed run fails again, and a
+re-run would hide that it failed once), and only the others run. The file must come from
+the same matrix: the same sizes, TTFT SLO and planned runs, or the resume is refused with
+what differs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from afd_tools.bench.prefill_matrix import Point, Size
+from afd_tools.bench.prefill_table import BenchRun
+from afd_tools.prefill.run_report import RunReport
+from afd_tools.prefill.typed_json import ReportError
+from afd_tools.run.job import RunJob
+
+
+class ResumeError(ValueError):
+    """A ``--json`` file that ``--resume`` cannot continue; the message says why."""
+
+
+def point_key(point: Point) -> str:
+    """A run's place in the matrix as a string that equal points share."""
+    return json.dumps(point.to_json(), sort_keys=True)
+
+
+def resumed_runs(
+    path: Path, runs: Sequence[tuple[Point, RunJob]], size: Size, ttft_slo: float | None
+) -> tuple[dict[int, BenchRun], list[dict[str, Any]]]:
+    """The runs of the plan ``runs`` that ``path`` already holds (plan index -> run) and
+    its warm-up records; nothing when ``path`` does not exist. :class:`ResumeError` when it
+    is not a benchmark file of this plan."""
+    if not path.exists():
+        return {}, []
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResumeError(f"--resume: cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ResumeError(f"--resume: {path} is not an afd bench prefill --json file")
+    differs = [
+        f"{name} {data.get(key)!r} (this command: {mine!r})"
+        for name, key, mine in (
+            ("sizes", "size", json.loads(json.dumps(size.__dict__))),
+            ("TTFT SLO", "ttft_slo_s", ttft_slo),
+            ("planned runs", "planned_runs", len(runs)),
+        )
+        if data.get(key) != mine
+    ]
+    if differs:
+        raise ResumeError(
+            f"--resume: {path} was written by another matrix ({'; '.join(differs)}); give "
+            f"the command that wrote it, or another --json file"
+        )
+    plan = {point_key(point): index for index, (point, _) in enumerate(runs)}
+    kept: dict[int, BenchRun] = {}
+    for number, entry in enumerate(data["runs"]):
+        where = f"{path}: runs[{number}]"
+        if not isinstance(entry, dict):
+            raise ResumeError(f"--resume: {where} is not an object")
+        key = json.dumps(
+            {name: entry.get(name) for name in json.loads(point_key(runs[0][0]))},
+            sort_keys=True,
+        )
+        index = plan.get(key)
+        if index is None:
+            raise ResumeError(f"--resume: {where} ({entry.get('command')}) is not in this plan")
+        try:
+            report = RunReport.from_json(entry["report"], where) if "report" in entry else None
+            kept[index] = BenchRun(
+                runs[index][0],
+                str(entry["command"]),
+                int(entry["exit_code"]),
+                float(entry["wall_s"]),
+                report,
+            )
+        except (KeyError, TypeError, ValueError, ReportError) as exc:
+            raise ResumeError(f"--resume: {where}: {exc}") from None
+    warm = data.get("warm_up", [])
+    return kept, list(warm) if isinstance(warm, list) else []

@@ -1,0 +1,93 @@
+"""``afd bench prefill --time-budget`` and ``--resume``: a matrix too long for one sitting
+(a lent GPU runs one command for ten minutes) stops before a run that would not fit and is
+continued by the same command, keeping what was measured."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+from test_bench_prefill_matrix import SMALL_QUICK
+
+from afd_tools.cli import main
+
+
+def _bench(tmp_path: Path, *extra: str) -> tuple[int, str]:
+    """One small matrix on the CPU (a warm-up, 2:1 at one stage and at two), as
+    test_bench_prefill_matrix's fixture runs it, with ``extra`` options."""
+    from afd_tools.bench import prefill
+
+    argv = [
+        "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
+        "--layout", "2:1", "--stages", "1", "--stages", "2", "--run-arg=--device",
+        "--run-arg=cpu", "--warm-up", "on", *extra,
+    ]  # fmt: skip
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(prefill, "QUICK", SMALL_QUICK)
+        code = main(argv)
+    return code, printed.getvalue()
+
+
+@pytest.mark.timeout(600)
+def test_a_matrix_stopped_at_its_time_budget_is_resumed_where_it_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "matrix.json"
+    # The first run starts (nothing measured yet says it will not fit); the second would
+    # end past one second.
+    code, out = _bench(tmp_path, "--json", str(report), "--time-budget", "1")
+    assert code == 3, out
+    assert "stopped at the time budget (1 s): 1 of 2 runs measured" in out
+    assert "[1/2] afd run" in out
+    assert "[2/2]" not in out
+    first = json.loads(report.read_text())
+    assert first["complete"] is False
+    assert first["planned_runs"] == 2
+    assert len(first["runs"]) == 1
+    assert first["runs"][0]["exit_code"] == 0
+
+    code, out = _bench(tmp_path, "--json", str(report), "--resume")
+    assert code == 0, out
+    assert f"resuming {report}: 1 of 2 runs already measured" in out
+    assert "[1/2]" not in out  # kept, not run again
+    assert out.index("[warm-up, not timed] afd run") < out.index("[2/2] afd run")
+    done = json.loads(report.read_text())
+    assert done["complete"] is True
+    assert done["runs"][0] == first["runs"][0]
+    assert [(r["stages"], r["exit_code"]) for r in done["runs"]] == [(1, 0), (2, 0)]
+    assert len(done["warm_up"]) == 2  # one per sitting
+    assert "| tiny | uniform |" in out  # the whole table, both sittings' rows
+    assert out.count("| tiny | uniform |") == 4  # async N=1, sync, colocated, async N=2
+
+
+def test_resume_refuses_another_matrix_and_needs_a_json_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "matrix.json"
+    report.write_text(
+        json.dumps(
+            {
+                "size": json.loads(json.dumps(SMALL_QUICK.__dict__)),
+                "ttft_slo_s": None,
+                "complete": False,
+                "planned_runs": 5,
+                "warm_up": [],
+                "runs": [],
+            }
+        )
+    )
+    code, _ = _bench(tmp_path, "--json", str(report), "--resume")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "was written by another matrix (planned runs 5 (this command: 2))" in err
+    assert json.loads(report.read_text())["planned_runs"] == 5  # left as it was
+    code, _ = _bench(tmp_path, "--resume")
+    assert code == 2
+    assert "--resume continues the --json file; give one" in capsys.readouterr().err
+    code, _ = _bench(tmp_path, "--time-budget", "nan")
+    assert code == 2
+    assert "--time-budget must be a finite number of seconds > 0" in capsys.readouterr().err
