@@ -37,8 +37,7 @@ def test_a_matrix_stopped_at_its_time_budget_is_resumed_where_it_stopped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     report = tmp_path / "matrix.json"
-    # The first run starts (nothing measured yet says it will not fit); the second would
-    # end past one second.
+    # The first run of a sitting always starts; the second would end past one second.
     code, out = _bench(tmp_path, "--json", str(report), "--time-budget", "1")
     assert code == 3, out
     assert "stopped at the time budget (1 s): 1 of 2 runs measured" in out
@@ -73,6 +72,8 @@ def test_resume_refuses_another_matrix_and_needs_a_json_file(
             {
                 "size": json.loads(json.dumps(SMALL_QUICK.__dict__)),
                 "ttft_slo_s": None,
+                "run_args": ["--device", "cpu"],
+                "seed": 0,
                 "complete": False,
                 "planned_runs": 5,
                 "warm_up": [],
@@ -85,9 +86,15 @@ def test_resume_refuses_another_matrix_and_needs_a_json_file(
     err = capsys.readouterr().err
     assert "was written by another matrix (planned runs 5 (this command: 2))" in err
     assert json.loads(report.read_text())["planned_runs"] == 5  # left as it was
-    code, _ = _bench(tmp_path, "--resume")
+    # Another seed (or --run-arg) measures other runs: refused too.
+    code, _ = _bench(tmp_path, "--json", str(report), "--resume", "--seed", "3")
     assert code == 2
-    assert "--resume continues the --json file; give one" in capsys.readouterr().err
-    code, _ = _bench(tmp_path, "--time-budget", "nan")
+    err = capsys.readouterr().err
+    assert "planned runs 5 (this command: 2); --seed 0 (this command: 3)" in err
+    for extra in (["--resume"], ["--time-budget", "60"]):
+        code, _ = _bench(tmp_path, *extra)
+        assert code == 2
+        assert "keep the runs in the --json file; give one" in capsys.readouterr().err
+    code, _ = _bench(tmp_path, "--json", str(report), "--time-budget", "nan")
     assert code == 2
     assert "--time-budget must be a finite number of seconds > 0" in capsys.readouterr().err

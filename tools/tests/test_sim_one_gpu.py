@@ -60,27 +60,43 @@ def test_twice_the_share_halves_every_compute_by_hand() -> None:
     # FFN 0.05 per row -> half; dispatch, combine and arrival unchanged): replica 0
     # attention 0-1, dispatch 1-1.5, FFN 1.625-2.125, back 2.25, combine -> 2.5; replica 1
     # attention 0-2, dispatch 2-2.5, FFN 2.625-4.125, back 4.25, combine -> 4.5.
-    s = _one_layer("async", _mps_cal(), attention_share=50.0, ffn_share=50.0)
+    cal = _mps_cal(attention_share=12.5, ffn_share=12.5)
+    s = _one_layer("async", cal, attention_share=25.0, ffn_share=25.0)
     assert s.makespan_s == pytest.approx(4.5)
     assert s.ttft_p50 == pytest.approx(2.5)
     # At the calibration's own shares nothing changes (test_sim: 8.0).
-    assert _one_layer("async", _mps_cal()).makespan_s == pytest.approx(8.0)
-    assert _one_layer("async", _mps_cal(), attention_share=25.0).makespan_s == pytest.approx(8.0)
-    # Only the FFN at 50 %: replica 1's 3 s item takes 1.5 s.
-    s = _one_layer("async", _mps_cal(), ffn_share=50.0)
+    assert _one_layer("async", cal).makespan_s == pytest.approx(8.0)
+    assert _one_layer("async", cal, attention_share=12.5).makespan_s == pytest.approx(8.0)
+    # Only the FFN at twice its share: replica 1's 3 s item takes 1.5 s.
+    s = _one_layer("async", cal, ffn_share=25.0)
     assert s.makespan_s == pytest.approx(8.0 - 1.5)
 
 
 def test_the_colocated_baseline_keeps_the_calibrations_shares() -> None:
     plain = _one_layer("colocated", _mps_cal())
-    shared = _one_layer("colocated", _mps_cal(), attention_share=50.0, ffn_share=50.0)
+    shared = _one_layer("colocated", _mps_cal(), attention_share=30.0, ffn_share=40.0)
     assert shared.makespan_s == plain.makespan_s
 
 
-def test_shares_need_a_calibration_measured_under_mps() -> None:
+def test_shares_need_a_calibration_measured_under_mps(capsys: Any) -> None:
     with pytest.raises(SimError, match="--attention-share needs a calibration measured"):
         deployment(ONE_LAYER, _cal(), attention_ranks=1, ffn_ranks=1, budget=64, attention_share=50)
     assert main(["sim", "--calibration", "cpu-tiny", "--ffn-share", "50"]) == 2
+    assert "--ffn-share needs a calibration measured under CUDA MPS" in capsys.readouterr().err
+
+
+def test_shares_of_one_gpu_add_up_to_at_most_all_of_it(capsys: Any) -> None:
+    # 3 x 25 % + 50 %: more than the GPU; the calibration's own FFN share counts too.
+    with pytest.raises(SimError, match=r"3 x 25 % \+ 1 x 50 % is 125 % of one GPU's SMs"):
+        deployment(ONE_LAYER, _mps_cal(), attention_ranks=3, ffn_ranks=1, budget=64, ffn_share=50)
+    with pytest.raises(SimError, match=r"2 x 40 % \+ 1 x 25 % is 105 %"):
+        deployment(
+            ONE_LAYER, _mps_cal(), attention_ranks=2, ffn_ranks=1, budget=64, attention_share=40
+        )
+    deployment(ONE_LAYER, _mps_cal(), attention_ranks=2, ffn_ranks=1, budget=64, ffn_share=50)
+    argv = ["sim", "--calibration", "h200-mps-v3", "--attention-ranks", "3", "--ffn-ranks", "1"]
+    assert main([*argv, "--ffn-share", "50"]) == 2
+    assert "give shares that add up to at most 100 %" in capsys.readouterr().err
 
 
 def test_a_calibration_files_shares_are_checked(tmp_path: Path, capsys: Any) -> None:
@@ -115,6 +131,22 @@ def test_a_host_barrier_is_reached_as_the_attention_is_launched_by_hand() -> Non
     assert _one_layer("sync", _cal()).makespan_s == pytest.approx(9.125)
 
 
+def test_a_host_barrier_is_reached_before_the_dense_layers_are_computed_by_hand() -> None:
+    # A dense layer, then an MoE layer (each attention 1 + 0.1 T), replicas of 10 and 60
+    # tokens. Both hosts launch the dense layer and the MoE attention at once and reach
+    # the barrier at 0.0625 (released 0.125). Replica 0: dense until 2.0625, attention
+    # until 4.0625, dispatch -> 4.5625, FFN 4.6875-5.6875, back 5.8125, combine -> 6.0625.
+    # Replica 1: dense until 7.0625, attention until 14.0625, dispatch -> 14.5625, FFN
+    # 14.6875-20.6875, back 20.8125, combine -> 21.0625. Arriving after the dense layer
+    # instead would hold replica 0 at the barrier from 4.0625 to 7.125.
+    config = preset("tiny", num_layers=2, first_k_dense_replace=1)
+    dep = deployment(config, _cal(host_barrier=True), attention_ranks=2, ffn_ranks=1, budget=64)
+    s = summary(simulate_mode(dep, "sync", assign([10, 60], [0.0, 0.0], 2, "round-robin")))
+    assert s.makespan_s == pytest.approx(21.0625)
+    assert s.ttft_p50 == pytest.approx(6.0625)
+    assert s.breakdown.barrier_ms_per_layer == pytest.approx(0.0)
+
+
 def test_a_host_barrier_still_holds_every_dispatch_until_every_reply_of_the_layer() -> None:
     """Two MoE layers, one step per replica (10 and 60 tokens): no item of layer 1 reaches
     the FFN before both replies to layer 0 are back (a host reaches the next barrier only
@@ -138,7 +170,9 @@ def test_a_host_barrier_still_holds_every_dispatch_until_every_reply_of_the_laye
 
 
 # calibrating across splits ------------------------------------------------------------------
-def _mps_runs(truth: Calibration, layouts: list[tuple[int, int, int, int]]) -> list[MeasuredRun]:
+def _mps_runs(
+    truth: Calibration, layouts: list[tuple[int, int, int, int]], stages: int = 1
+) -> list[MeasuredRun]:
     """Simulated "measurements" on one GPU: (A, F, attention share, FFN share) each, at
     several workloads, every rank's share recorded as ``afd run`` records it."""
     config = preset("tiny")
@@ -157,6 +191,7 @@ def _mps_runs(truth: Calibration, layouts: list[tuple[int, int, int, int]]) -> l
             attention_ranks=a,
             ffn_ranks=f,
             budget=256,
+            stages=stages,
             attention_share=a_share,
             ffn_share=f_share,
         )
@@ -174,6 +209,7 @@ def _mps_runs(truth: Calibration, layouts: list[tuple[int, int, int, int]]) -> l
                     colocated="mono",
                     transport="nvshmem",
                     backend="grouped_mm",
+                    stages=stages,
                 ),
                 requests=tuple(requests),
                 modes=modes,
@@ -194,10 +230,14 @@ GRIDS: dict[str, Any] = {
 TRAINING = [(1, 1, 25, 25), (2, 1, 25, 25), (1, 2, 25, 25), (2, 2, 25, 25), (3, 1, 25, 25)]
 
 
-def test_runs_at_other_splits_are_fitted_through_the_share_term() -> None:
+@pytest.mark.parametrize("steps", [True, False], ids=["step records", "per-layer means"])
+def test_runs_at_other_splits_are_fitted_through_the_share_term(steps: bool) -> None:
     """Runs at three splits fit the truth's coefficients (stated at the split most runs
-    share), and a split the fit never saw is predicted exactly."""
+    share), and a split the fit never saw is predicted exactly -- from the per-step
+    records, and from the per-layer means alone (every shipped GPU run)."""
     runs = _mps_runs(GPU_TRUTH, [*TRAINING, (1, 1, 50, 50), (2, 1, 30, 40)])
+    if not steps:
+        runs = [without_steps(r) for r in runs]
     assert reference_split(runs) == (25.0, 25.0)
     fitted = fit_runs(runs, **GRIDS)
     assert (fitted.attention_share, fitted.ffn_share, fitted.host_barrier) == (25.0, 25.0, True)
@@ -213,7 +253,7 @@ def test_runs_at_other_splits_are_fitted_through_the_share_term() -> None:
 def test_a_fit_without_the_share_term_would_miss_the_other_split() -> None:
     """The check above can fail: predicting the 50 % runs at the 25 % costs is far off."""
     fitted = fit_runs(_mps_runs(GPU_TRUTH, TRAINING), **GRIDS)
-    unseen = _mps_runs(GPU_TRUTH, [(2, 1, 50, 50)])
+    unseen = _mps_runs(GPU_TRUTH, [(1, 1, 50, 50)])
     blind = fitted.replace(attention_share=None, ffn_share=None)
     off = [
         summary(rp.sim).makespan_s / rp.measured[0].makespan_s
@@ -245,13 +285,15 @@ def test_runs_with_and_without_shares_or_uneven_roles_are_refused() -> None:
 
 
 # per-step records ---------------------------------------------------------------------------
-def test_step_records_separate_the_squared_length_cost_that_means_cannot() -> None:
+@pytest.mark.parametrize("stages", [1, 2])
+def test_step_records_separate_the_squared_length_cost_that_means_cannot(stages: int) -> None:
     """Runs at one workload and budget (as every one-GPU run so far): from per-layer means
     the fit cannot determine all three attention coefficients and sets one to 0; from the
     per-step records (tokens, squared lengths, compute of each step) it recovers each."""
     layouts = [(2, 1, 25, 25), (3, 1, 25, 25), (2, 2, 25, 25)]
-    runs = [r for r in _mps_runs(GPU_TRUTH, layouts * 3) if r.workload == "w1"]
+    runs = [r for r in _mps_runs(GPU_TRUTH, layouts * 3, stages) if r.workload == "w1"]
     assert {len(r.requests) for r in runs} == {8}
+    assert {r.stages for r in runs} == {stages}
     attention = {"attn_fixed_s", "attn_token_s", "attn_square_s"}
     blind = fit_runs([without_steps(r) for r in runs], **GRIDS)
     lost = attention & set(blind.fit["not_determined"])
@@ -317,11 +359,14 @@ def _sweep(tmp_path: Path, *extra: str) -> int:
 
 
 def test_sweep_over_ffn_shares_on_one_gpu(tmp_path: Path, capsys: Any) -> None:
-    out = tmp_path / "sweep.json"
-    code = _sweep(tmp_path, "--ffn-shares", "25,50", "--modes", "async,sync", "--json", str(out))
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    argv = ["--ffn-shares", "25,50", "--modes", "async,sync", "--json", str(out)]
+    code = _sweep(tmp_path, *argv, "--plot", str(plot))
     assert code == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     assert "the ranks share one GPU, FFN shares 25,50 %" in printed
+    assert "| ranks on one GPU | best async A:F |" in printed
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(out.read_text())
     points = report["points"]
     # 3 ranks: 2:1 at 25 % (attention 37.5 %) and 50 % (25 %); 4 ranks: 3:1 at both
@@ -349,7 +394,7 @@ def test_sweep_over_ffn_shares_refuses_what_it_cannot_model(tmp_path: Path, caps
         _sweep(tmp_path, "--ffn-shares", "60", "--ratios", "1:2", "--gpus", "3", "--modes", "async")
         == 2
     )
-    assert "leaves 1 attention ranks under 1 %" in capsys.readouterr().err
+    assert "at 1:2 every share leaves each attention rank under 1 %" in capsys.readouterr().err
 
 
 # the shipped one-GPU measurements -----------------------------------------------------------

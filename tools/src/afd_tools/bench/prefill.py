@@ -162,9 +162,10 @@ def add_parser(kinds: Any) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="start no run (with its warm-up) that the longest run so far says would end "
-        "past this many seconds from the start; the JSON then says complete: false, and "
-        "the same command with --resume continues (exit status 3 when stopped)",
+        help="after this sitting's first run, start no run (with its warm-up) that the "
+        "longest run so far says would end past this many seconds from the start; the "
+        "JSON then says complete: false, and the same command with --resume continues "
+        "(exit status 3 when stopped; needs --json)",
     )
     p.add_argument(
         "--resume",
@@ -247,9 +248,10 @@ def run_prefill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.resume and args.json is None:
+    if (args.resume or args.time_budget is not None) and args.json is None:
         print(
-            "afd bench prefill: error: --resume continues the --json file; give one",
+            "afd bench prefill: error: --resume and --time-budget keep the runs in the "
+            "--json file; give one",
             file=sys.stderr,
         )
         return 2
@@ -280,7 +282,9 @@ def run_prefill(args: argparse.Namespace) -> int:
         warmed: list[dict[str, Any]] = []
         if args.resume:
             try:
-                kept, warmed = resumed_runs(args.json, runs, size, args.ttft_slo)
+                kept, warmed = resumed_runs(
+                    args.json, runs, size, args.ttft_slo, list(args.run_arg), args.seed
+                )
             except ResumeError as exc:
                 print(f"afd bench prefill: error: {exc}", file=sys.stderr)
                 return 2
@@ -303,6 +307,8 @@ def run_prefill(args: argparse.Namespace) -> int:
                 {
                     "size": size.__dict__,
                     "ttft_slo_s": args.ttft_slo,
+                    "run_args": list(args.run_arg),
+                    "seed": args.seed,
                     "complete": complete,
                     "planned_runs": len(runs),
                     "warm_up": warmed,
@@ -314,14 +320,17 @@ def run_prefill(args: argparse.Namespace) -> int:
 
         longest = max((r.wall_s for r in kept.values()), default=0.0)
         stopped = False
+        ran = 0
         for index, (point, job) in enumerate(runs):
             if index in kept:
                 results.append(kept[index])
                 continue
             elapsed = time.perf_counter() - started
-            if args.time_budget is not None and elapsed + longest > args.time_budget:
+            # The first run of a sitting always starts, so every sitting makes progress.
+            if args.time_budget is not None and ran and elapsed + longest > args.time_budget:
                 stopped = True
                 break
+            ran += 1
             if index in warm_ups:
                 command, code, wall, _ = _run_announced(warm_ups[index], "warm-up, not timed")
                 warmed.append({"command": command, "exit_code": code, "wall_s": wall})

@@ -5,8 +5,11 @@ one command for at most ten minutes), so the benchmark can stop at ``--time-budg
 run again, the same command with ``--resume``: the runs its ``--json`` file already holds
 are kept as they were measured (whatever their exit code: a failed run fails again, and a
 re-run would hide that it failed once), and only the others run. The file must come from
-the same matrix: the same sizes, TTFT SLO and planned runs, or the resume is refused with
-what differs.
+the same matrix: the same sizes, TTFT SLO, ``--run-arg`` options, seed and planned runs,
+or the resume is refused with what differs. The first run of a sitting always starts, so
+a sitting whose budget is shorter than the longest run still makes progress (a caller
+with a hard limit leaves room for one run: ``tools/gpu/main-job`` skips a benchmark when
+less than ``MAIN_JOB_MIN_LEFT`` seconds are left).
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ def point_key(point: Point) -> str:
 
 
 def resumed_runs(
-    path: Path, runs: Sequence[tuple[Point, RunJob]], size: Size, ttft_slo: float | None
+    path: Path,
+    runs: Sequence[tuple[Point, RunJob]],
+    size: Size,
+    ttft_slo: float | None,
+    run_args: list[str],
+    seed: int,
 ) -> tuple[dict[int, BenchRun], list[dict[str, Any]]]:
     """The runs of the plan ``runs`` that ``path`` already holds (plan index -> run) and
     its warm-up records; nothing when ``path`` does not exist. :class:`ResumeError` when it
@@ -52,6 +60,8 @@ def resumed_runs(
             ("sizes", "size", json.loads(json.dumps(size.__dict__))),
             ("TTFT SLO", "ttft_slo_s", ttft_slo),
             ("planned runs", "planned_runs", len(runs)),
+            ("--run-arg", "run_args", run_args),
+            ("--seed", "seed", seed),
         )
         if data.get(key) != mine
     ]

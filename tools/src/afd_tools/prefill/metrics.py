@@ -55,7 +55,8 @@ STEP_FIELDS = ("tokens", "square", "dispatches", "compute_s")
 its prompt pieces (a whole prompt of ``n`` tokens adds ``n**2``), its MoE dispatches (MoE
 layers times stages), and its compute in seconds -- the step's time outside dispatch,
 combine and sync's barrier, on the device's timeline on a GPU: attention, dense layers,
-router, local shared experts. What lets ``afd sim calibrate`` tell attention's cost per
+router, local shared experts (in a colocated mode, which dispatches nothing, the whole
+step, experts included). What lets ``afd sim calibrate`` tell attention's cost per
 token from its cost per squared length, which per-layer means cannot."""
 
 

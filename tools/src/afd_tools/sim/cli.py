@@ -634,7 +634,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             ffn_share=args.ffn_share,
         )
     rows = sweeping.best(points)
-    print(sweeping.markdown(rows))
+    print(sweeping.markdown(rows, "ranks on one GPU" if ffn_shares is not None else "GPUs"))
     elapsed = time.perf_counter() - started
     if args.json is not None:
         report = {
@@ -653,7 +653,10 @@ def run_sweep(args: argparse.Namespace) -> int:
             f"{config.num_hidden_layers} layers, {len(lengths)} requests "
             f"({args.workload_file or args.workload}), calibration {args.calibration}"
         )
-        write_atomically(args.plot, lambda tmp: sweeping.write_plot(tmp, points, title))
+        one_gpu = ffn_shares is not None
+        write_atomically(
+            args.plot, lambda tmp: sweeping.write_plot(tmp, points, title, one_gpu=one_gpu)
+        )
         print(f"wrote {args.plot}")
     print(f"{len(points)} configurations x {len(lengths)} requests in {elapsed:.1f} s")
     return 0

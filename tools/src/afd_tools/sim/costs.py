@@ -184,7 +184,8 @@ def from_json(data: Any, where: str) -> Calibration:
 SHARE_EVIDENCE = (
     "on one H200 under CUDA MPS (2026-12-03, afd bench prefill, quick size), ranks at 50 % "
     "of the SMs computed 1.8-2.2x as fast as at 25 % (attention and FFN, v2-lite and "
-    "v3-slice)"
+    "v3-slice; the 50 % runs had two ranks on the GPU, the 25 % runs three or four sharing "
+    "its HBM, so share and contention are measured together)"
 )
 
 

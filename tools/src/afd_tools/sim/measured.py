@@ -58,10 +58,16 @@ class MeasuredRun:
         if not self.mps_shares:
             return None
         roles = role_shares(self.mps_shares)
-        if roles is None or set(roles) != {"attention", "ffn"}:
+        if roles is None:
             raise SimError(
                 f"{self.source}: the ranks of a role held different SM shares ({self.split}); "
                 f"the simulator models one share per role"
+            )
+        missing = sorted({"attention", "ffn"} - set(roles))
+        if missing:
+            raise SimError(
+                f"{self.source}: its MPS shares name no {' or '.join(missing)} rank "
+                f"({self.split}); the simulator needs both roles' shares"
             )
         return float(roles["attention"]), float(roles["ffn"])
 

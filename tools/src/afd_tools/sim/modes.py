@@ -326,7 +326,13 @@ class Simulation:
         notify = costs.cal.notify_s
         waited = 0.0
         pending: list[_Item | None] = [None] * len(pieces)
-        for layer, moe in enumerate(costs.shapes.moe):
+        moe_layers = costs.shapes.moe
+        host_barrier = lockstep and costs.cal.host_barrier
+        # A host barrier's arrival for the next MoE layer (Calibration.host_barrier): the
+        # host reaches it as soon as nothing blocks it -- after the last reply it waited
+        # for -- having only launched the compute up to it, dense layers included.
+        barrier: Signal | None = None
+        for layer, moe in enumerate(moe_layers):
             for i, (tokens, square) in enumerate(pieces):
                 item = pending[i]
                 combine = 0.0
@@ -334,21 +340,19 @@ class Simulation:
                     waited += yield from self._await_reply(rec, item)
                     combine = costs.combine_s(tokens)
                     pending[i] = None
+                if host_barrier and barrier is None and any(moe_layers[layer:]):
+                    barrier = self._barrier.arrive(r)
                 work = costs.attention_s(tokens, square, layer)
                 send = costs.dispatch_s(tokens) if moe and not lockstep else 0.0
-                # A host barrier is reached as the attention is launched (Calibration.
-                # host_barrier); otherwise once it is computed.
-                barrier = (
-                    self._barrier.arrive(r) if moe and lockstep and costs.cal.host_barrier else None
-                )
                 t0 = engine.now
                 yield (COMPUTE, combine + work + send, 1)
                 waited += self._account(rec, t0, combine, work, send, tokens, square)
                 if not moe:
                     continue
-                if lockstep:  # sync: the barrier, then the dispatch
+                if lockstep:  # sync: the barrier (reached now, or earlier), the dispatch
                     t0 = engine.now
                     yield (WAIT, barrier or self._barrier.arrive(r))
+                    barrier = None
                     rec.totals.barrier_s += engine.now - t0
                     waited += engine.now - t0
                     send = costs.dispatch_s(tokens)

@@ -66,6 +66,15 @@ def deployment(
             problems.append(str(exc))
     if attention_ranks < 1 or ffn_ranks < 1:
         problems.append("--attention-ranks and --ffn-ranks must be >= 1")
+    elif (attention_share is not None or ffn_share is not None) and not problems:
+        a = attention_share if attention_share is not None else calibration.attention_share
+        f = ffn_share if ffn_share is not None else calibration.ffn_share
+        if a is not None and f is not None and attention_ranks * a + ffn_ranks * f > 100.0 + 1e-9:
+            problems.append(
+                f"--attention-share/--ffn-share: {attention_ranks} x {a:g} % + {ffn_ranks} x "
+                f"{f:g} % is {attention_ranks * a + ffn_ranks * f:g} % of one GPU's SMs; the "
+                f"ranks share one GPU, so give shares that add up to at most 100 %"
+            )
     if budget < 1:
         problems.append(f"--max-num-batched-tokens must be >= 1, got {budget}")
     if stages < 1:

@@ -193,8 +193,8 @@ def _jobs(
             pairs = share_splits(a, f, ffn_shares)
             if not pairs:
                 raise SimError(
-                    f"--ffn-shares: every share leaves {a} attention ranks under 1 % of the "
-                    f"GPU at {a}:{f}; give smaller FFN shares"
+                    f"--ffn-shares: at {a}:{f} every share leaves each attention rank under "
+                    f"1 % of the GPU; give smaller FFN shares"
                 )
             jobs += [(g, a, f, m, pair) for pair in pairs for m in modes if m != "colocated"]
         if "colocated" in modes:
@@ -230,10 +230,11 @@ def best(points: Sequence[Point]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The best-per-mode table (Markdown, also printed)."""
+def markdown(rows: Sequence[dict[str, Any]], count: str = "GPUs") -> str:
+    """The best-per-mode table (Markdown, also printed); ``count`` heads the first column
+    (``ranks on one GPU`` for a sweep of one GPU's splits)."""
     lines = [
-        "| GPUs | best async A:F | async tokens/s | async TTFT p50 s | best sync A:F | sync "
+        f"| {count} | best async A:F | async tokens/s | async TTFT p50 s | best sync A:F | sync "
         "tokens/s | colocated tokens/s | async/sync | async/colocated |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -261,9 +262,14 @@ def attention_fraction(point: Point) -> float:
     return point.attention_ranks * point.attention_share / 100.0
 
 
-def write_plot(path: Path, points: Sequence[Point], title: str) -> None:
+def write_plot(path: Path, points: Sequence[Point], title: str, one_gpu: bool = False) -> None:
     """Left: tokens/s per GPU of the best split per mode against GPU count; right: every
-    split's async and sync tokens/s against its attention share A/(A+F)."""
+    split's async and sync tokens/s against its attention share A/(A+F). With ``one_gpu``
+    (a sweep of one GPU's splits) the counts are ranks on that GPU and tokens/s are the
+    GPU's."""
+    per = (lambda g: 1) if one_gpu else (lambda g: g)
+    unit = "ranks on one GPU" if one_gpu else "GPUs"
+    rate = "tokens/s" if one_gpu else "tokens/s per GPU"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,12 +283,13 @@ def write_plot(path: Path, points: Sequence[Point], title: str) -> None:
             of = [p for p in points if p.gpus == g and p.mode == mode]
             if of:
                 xs.append(g)
-                ys.append(max(p.tokens_per_s for p in of) / g)
+                ys.append(max(p.tokens_per_s for p in of) / per(g))
         if xs:
             left.plot(xs, ys, "o-", color=color, label=f"{mode} (best split)")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("GPUs")
-    left.set_ylabel("tokens/s per GPU")
+    if not one_gpu:
+        left.set_xscale("log", base=2)
+    left.set_xlabel(unit)
+    left.set_ylabel(rate)
     left.legend()
     left.set_title("best A:F per mode")
     for g in sorted({p.gpus for p in points}):
@@ -294,13 +301,13 @@ def write_plot(path: Path, points: Sequence[Point], title: str) -> None:
             if of:
                 right.plot(
                     [attention_fraction(p) for p in of],
-                    [p.tokens_per_s / g for p in of],
+                    [p.tokens_per_s / per(g) for p in of],
                     "-" if mode == "async" else "--",
                     marker=".",
-                    label=f"{mode}, {g} GPUs",
+                    label=f"{mode}, {g} {unit}",
                 )
     right.set_xlabel("attention's share: A / (A + F), or of one GPU's SMs with --ffn-shares")
-    right.set_ylabel("tokens/s per GPU")
+    right.set_ylabel(rate)
     right.legend(fontsize=7, ncol=2)
     right.set_title("every split (solid async, dashed sync)")
     fig.suptitle(title, fontsize=10)
