@@ -147,6 +147,24 @@ def test_a_host_barrier_is_reached_before_the_dense_layers_are_computed_by_hand(
     assert s.breakdown.barrier_ms_per_layer == pytest.approx(0.0)
 
 
+def test_the_barrier_placement_can_be_chosen_on_the_command_line(tmp_path: Path) -> None:
+    """``--sync-barrier`` overrides the calibration's: the device barrier (after the
+    attention) makes sync slower than the host barrier on uneven replicas."""
+    argv = [
+        "sim", "--calibration", "h200-mps-v3", "--attention-ranks", "2", "--ffn-ranks", "1",
+        "--requests", "16", "--max-prompt-len", "8192", "--max-num-batched-tokens", "8192",
+        "--mode", "sync",
+    ]  # fmt: skip
+    makespans = {}
+    for placement in ("host", "device"):
+        out = tmp_path / f"{placement}.json"
+        assert main([*argv, "--sync-barrier", placement, "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["calibration"]["host_barrier"] is (placement == "host")
+        makespans[placement] = report["modes"]["sync"]["makespan_s"]
+    assert makespans["device"] > makespans["host"], makespans
+
+
 def test_a_host_barrier_still_holds_every_dispatch_until_every_reply_of_the_layer() -> None:
     """Two MoE layers, one step per replica (10 and 60 tokens): no item of layer 1 reaches
     the FFN before both replies to layer 0 are back (a host reaches the next barrier only

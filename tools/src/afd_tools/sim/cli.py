@@ -109,6 +109,15 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         help="processors the ranks share (default: the calibration's; a cpu calibration "
         "fits it, a GPU one has none: every rank has its own GPU)",
     )
+    p.add_argument(
+        "--sync-barrier",
+        choices=("host", "device"),
+        default=None,
+        help="where sync mode's per-layer barrier is: host = afd run's on a GPU (the host "
+        "reaches it having only launched the layers before the dispatch, so the attention "
+        "still overlaps the wait), device = after the attention has been computed (a "
+        "strict lockstep; afd run's on the CPU) (default: the calibration's)",
+    )
 
 
 def _workload_options(p: argparse.ArgumentParser) -> None:
@@ -216,6 +225,8 @@ def _calibration(args: argparse.Namespace) -> Calibration:
         if not args.cores > 0:
             raise SimError(f"--cores must be > 0, got {args.cores}")
         cal = cal.replace(cores=args.cores)
+    if args.sync_barrier is not None:
+        cal = cal.replace(host_barrier=args.sync_barrier == "host")
     return cal
 
 
