@@ -453,3 +453,22 @@ def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> No
     assert "8 reports" in capsys.readouterr().out
     assert main(["sim", "bundle", str(source), "--preset", "v2-lite", "-o", str(out)]) == 2
     assert "no measured runs of preset v2-lite" in capsys.readouterr().err
+
+
+def test_calibrating_the_one_gpu_runs_says_where_the_barrier_and_shares_are(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """The quick v3-slice runs (1A1F at 50 %, the rest at 25 %): stated at 25 %, the
+    host barrier, and the squared-length cost named as not determined (no step records)."""
+    bundle = CALIBRATIONS / "h200-mps-quick-v3-slice-runs.json.gz"
+    out = tmp_path / "cal.json"
+    argv = ["sim", "calibrate", str(bundle), "--cores-grid", "none", "-o", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "  sync barrier: on the host (reached at launch); SM shares per rank: attention 25 %, "
+        "FFN 25 %" in printed
+    )
+    assert "not determined, set to 0: attn_square_s" in printed
+    cal = costs.load(str(out))
+    assert (cal.attention_share, cal.ffn_share, cal.host_barrier) == (25.0, 25.0, True)

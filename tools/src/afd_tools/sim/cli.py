@@ -566,6 +566,14 @@ def _describe(cal: Calibration) -> str:
         f"  colocated collective: {cal.collective_latency_s * 1e6:.4g} us + bytes / "
         f"{cal.collective_bandwidth / 1e9:.4g} GB/s; cores: "
         f"{'one per rank' if cal.cores is None else format(cal.cores, 'g')}",
+        "  sync barrier: "
+        + ("on the host (reached at launch)" if cal.host_barrier else "after the attention")
+        + (
+            ""
+            if cal.attention_share is None or cal.ffn_share is None
+            else f"; SM shares per rank: attention {cal.attention_share:g} %, FFN "
+            f"{cal.ffn_share:g} % (compute at other shares scales as these / the share)"
+        ),
     ]
     if cal.fit:
         lines.append(
