@@ -25,7 +25,12 @@ from afd_tools.bench.prefill_matrix import (
     warm_up_plan,
     warms_up,
 )
-from afd_tools.bench.prefill_table import BenchRun, best_split_notes, markdown_table
+from afd_tools.bench.prefill_table import (
+    BenchRun,
+    best_split_notes,
+    markdown_table,
+    spread_notes,
+)
 from afd_tools.cli import build_parser, main
 from afd_tools.prefill.layer_times import LayerBreakdown
 from afd_tools.prefill.metrics import ModeSummary
@@ -148,9 +153,11 @@ def test_a_sweep_that_a_run_arg_contradicts_is_refused_before_anything_runs(
         (["--layout", "2"], "'2' is not A:F (attention replicas : FFN ranks, each >= 1), e.g. 2:1"),
         (["--layout", "0:1"], "'0:1' is not A:F"),
         (["--rate", "0"], "'0': a rate is requests per second, > 0"),
-        (["--stages", "0"], "'0': stages are a whole number >= 1"),
+        (["--stages", "0"], "'0': stages, a whole number >= 1"),
         (["--rate", "nan"], "'nan': a rate is requests per second, > 0"),
         (["--attention-share", "100"], "'100': an attention rank's share is a whole percent"),
+        (["--repeats", "0"], "'0': launches per run, a whole number >= 1"),
+        (["--repeats", "two"], "'two': launches per run, a whole number >= 1"),
     ],
 )
 def test_a_malformed_sweep_value_names_the_option(
@@ -259,6 +266,52 @@ def test_each_row_is_compared_with_the_sync_run_of_its_own_group() -> None:
     ]
     assert best_split_notes(runs) == [line for line in lines if line.startswith("Best SM")]
     assert "goodput" not in markdown_table(runs)  # no SLO stated, no column
+
+
+def test_repeats_run_each_group_again_and_compare_each_run_with_its_own_sync(
+    tmp_path: Path,
+) -> None:
+    args = _args("--layout", "2:1", "--stages", "1", "--stages", "2", "--repeats", "3")
+    points = expand(args, point_job(args, "tiny", "uneven", QUICK, tmp_path), "tiny", "uneven")
+    # A/B/A/B: the whole group (every mode at N=1, async at N=2) once per repeat.
+    assert [(p.repeat, p.stages) for p in points] == [(r, n) for r in range(3) for n in (1, 2)]
+    assert len({p.group for p in points}) == 1
+
+    def repeat_of(r: int, async1: float, sync: float, async2: float) -> list[BenchRun]:
+        point = dataclasses.replace(_point(None, 1, ("async", "sync")), repeat=r)
+        modes = {
+            "async": _summary("async", async1, 1.0, [1.0]),
+            "sync": _summary("sync", sync, 2.0, [2.0]),
+        }
+        second = dataclasses.replace(point, stages=2, modes=("async",))
+        return [
+            _run(point, modes, {}),
+            _run(second, {"async": _summary("async", async2, 1.5, [1.0])}, {}),
+        ]
+
+    runs = [
+        *repeat_of(0, 300.0, 200.0, 240.0),  # N=1 1.5x, N=2 1.2x
+        *repeat_of(1, 330.0, 300.0, 450.0),  # this repeat's sync was faster: 1.1x, 1.5x
+        *repeat_of(2, 200.0, 100.0, 150.0),  # 2.0x, 1.5x
+    ]
+    table = markdown_table(runs)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    by = {row[5]: row for row in rows if len(row) > 5}
+    assert by["async N=1, run 2 of 3"][-3] == f"{330 / 300:.2f}x"  # against its own sync
+    assert by["async N=2, run 3 of 3"][-3] == f"{150 / 100:.2f}x"
+    notes = spread_notes(runs)
+    assert notes == [
+        "Over 3 verified repeats, v2-lite uneven 2A1F all at once, async N=1 vs sync: "
+        f"tokens/s median {1.5:.2f}x ({1.1:.2f}-{2.0:.2f}x), TTFT p99 median 0.50x "
+        "(0.50-0.50x).",
+        "Over 3 verified repeats, v2-lite uneven 2A1F all at once, async N=2 vs sync: "
+        f"tokens/s median {1.5:.2f}x ({1.2:.2f}-{1.5:.2f}x), TTFT p99 median 0.75x "
+        "(0.75-0.75x).",
+    ]
+    assert all(note in table for note in notes)
+    # One launch each: no spread line, and the labels name no run.
+    assert spread_notes([r for r in runs if r.point.repeat == 0]) == []
+    assert "run 1 of" not in markdown_table([r for r in runs if r.point.repeat == 0])
 
 
 def test_a_mode_summary_counts_goodput_against_the_slo() -> None:

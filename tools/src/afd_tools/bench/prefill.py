@@ -19,7 +19,10 @@ The sweeps (each option repeatable): ``--layout A:F``; ``--stages N`` (every mod
 the first, async alone at the others, so each async variant meets the sync run of its own
 group); ``--attention-share PCT`` (ranks sharing a GPU under CUDA MPS: each attention rank's
 share of the SMs, the FFN ranks split the rest; a line under the table names the best split
-per A:F); ``--rate R`` (Poisson arrivals per second, for TTFT under load). On a GPU an
+per A:F); ``--rate R`` (Poisson arrivals per second, for TTFT under load). ``--repeats N``
+launches each group's runs N times, one whole group after the other, each run compared
+with the sync run of its own repeat; a line under the table gives every ratio's median and
+range over the repeats (machines are noisy: one launch's ratio is not a figure). On a GPU an
 untimed async run precedes the first timed run of each preset and A:F (``--warm-up``): a
 fresh machine otherwise compiles kernels inside the first timed mode.
 
@@ -60,6 +63,7 @@ from afd_tools.bench.prefill_matrix import (
     job_of,
     parse_layout,
     parse_rate,
+    parse_repeats,
     parse_share,
     parse_stages,
     point_job,
@@ -173,6 +177,14 @@ def add_parser(kinds: Any) -> None:
         help="keep the runs the --json file already holds (the same matrix, else refused) "
         "and run only the others; without the file, start from the first",
     )
+    p.add_argument(
+        "--repeats",
+        type=parse_repeats,
+        default=1,
+        metavar="N",
+        help="launch each group's runs N times, one whole group after the other (A/B/A/B); "
+        "a line under the table gives each ratio's median and range over the repeats",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload and weights")
     p.add_argument("--json", type=Path, default=None, help="write every run's report here")
     p.add_argument(
@@ -225,6 +237,7 @@ def sweeps_of(args: argparse.Namespace) -> Sweeps:
         rates=given(args.rate),
         run_args=tuple(args.run_arg),
         seed=args.seed,
+        repeats=args.repeats,
     )
 
 

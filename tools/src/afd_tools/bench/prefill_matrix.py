@@ -81,6 +81,22 @@ def parse_layout(text: str) -> tuple[int, int]:
     return a, f
 
 
+def _at_least_one(text: str, what: str) -> int:
+    """``text`` as a whole number >= 1; ``argparse.ArgumentTypeError`` saying ``what``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: {what}, a whole number >= 1")
+    return value
+
+
+def parse_repeats(text: str) -> int:
+    """A repeat count (a whole number >= 1)."""
+    return _at_least_one(text, "launches per run")
+
+
 def parse_rate(text: str) -> float:
     """A Poisson arrival rate in requests per second (> 0, finite)."""
     try:
@@ -94,13 +110,7 @@ def parse_rate(text: str) -> float:
 
 def parse_stages(text: str) -> int:
     """A stage count (a whole number >= 1)."""
-    try:
-        stages = int(text)
-    except ValueError:
-        stages = 0
-    if stages < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: stages are a whole number >= 1")
-    return stages
+    return _at_least_one(text, "stages")
 
 
 def parse_share(text: str) -> int:
@@ -131,6 +141,8 @@ class Point:
     stages: int
     """Async mode's stages."""
     modes: tuple[str, ...]
+    repeat: int = 0
+    """Which of ``--repeats`` launches of this configuration (0 for the first)."""
 
     @property
     def group(self) -> tuple[str, str, int, int, int | None, float | None]:
@@ -164,6 +176,8 @@ class Sweeps:
     run_args: tuple[str, ...] = ()
     """``--run-arg``: ``afd run`` options over the benchmark's settings."""
     seed: int = 0
+    repeats: int = 1
+    """``--repeats``: launches of each group's runs, one whole group after the other."""
 
 
 def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[int] | None:
@@ -274,7 +288,9 @@ def run_arg_fields(run_args: tuple[str, ...]) -> set[str]:
 
 def expand(sweeps: Sweeps, base: RunJob, preset: str, workload: str) -> list[Point]:
     """Every run of one (preset, workload), in the order they run: per layout, split and
-    rate, every mode at the first stage count, then async at each further one."""
+    rate, every mode at the first stage count, then async at each further one; with
+    ``repeats``, that sequence again and again (A/B/A/B, so drift over time hits every
+    variant alike)."""
     layouts = sweeps.layouts or ((base.attention_ranks, base.ffn_ranks),)
     shares = sweeps.attention_shares or (base.mps_attention_share,)
     rates = sweeps.rates or (base.rate,)
@@ -283,9 +299,12 @@ def expand(sweeps: Sweeps, base: RunJob, preset: str, workload: str) -> list[Poi
     for attention, ffn in dict.fromkeys(layouts):
         for share in dict.fromkeys(shares):
             for rate in dict.fromkeys(rates):
-                for i, n in enumerate(dict.fromkeys(stages)):
-                    modes = base.modes if i == 0 else ("async",)
-                    points.append(Point(preset, workload, attention, ffn, share, rate, n, modes))
+                for repeat in range(sweeps.repeats):
+                    for i, n in enumerate(dict.fromkeys(stages)):
+                        modes = base.modes if i == 0 else ("async",)
+                        points.append(
+                            Point(preset, workload, attention, ffn, share, rate, n, modes, repeat)
+                        )
     return points
 
 
@@ -339,6 +358,7 @@ __all__ = [
     "job_of",
     "parse_layout",
     "parse_rate",
+    "parse_repeats",
     "parse_share",
     "parse_stages",
     "point_job",

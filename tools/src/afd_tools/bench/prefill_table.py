@@ -6,6 +6,7 @@ best per A:F."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +41,11 @@ class BenchRun:
         return out
 
 
-def mode_label(point: Point, mode: str) -> str:
-    """``async N=2`` for async (its stages), the mode's name otherwise."""
-    return f"async N={point.stages}" if mode == "async" else mode
+def mode_label(point: Point, mode: str, repeats: int = 1) -> str:
+    """``async N=2`` for async (its stages), the mode's name otherwise; with several
+    ``repeats``, which launch it is (``async N=2, run 2 of 3``)."""
+    label = f"async N={point.stages}" if mode == "async" else mode
+    return label if repeats < 2 else f"{label}, run {point.repeat + 1} of {repeats}"
 
 
 def shares_label(report: RunReport | None, point: Point | None = None) -> str:
@@ -71,11 +74,13 @@ def _ratio(value: float, base: float | None) -> str:
 
 
 def sync_of(results: Sequence[BenchRun]) -> dict[tuple[Any, ...], ModeSummary]:
-    """Each group's sync summary (from the run of its group that ran sync)."""
+    """Each group's sync summary per repeat (from the run of its group and repeat that ran
+    sync), keyed by ``(*group, repeat)``."""
     found: dict[tuple[Any, ...], ModeSummary] = {}
     for entry in results:
         if entry.report is not None and "sync" in entry.report.modes:
-            found[entry.point.group] = entry.report.modes["sync"]
+            key = (*entry.point.group, entry.point.repeat)
+            found[key] = entry.report.modes["sync"]
     return found
 
 
@@ -102,15 +107,16 @@ def markdown_table(results: Sequence[BenchRun], ttft_slo_s: float | None = None)
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     syncs = sync_of(results)
+    repeats = 1 + max((entry.point.repeat for entry in results), default=0)
     for entry in results:
         p, report = entry.point, entry.report
         lead = [p.preset, p.workload, p.layout, shares_label(report, p), _rate_label(p.rate)]
         if report is None:
-            modes = ", ".join(mode_label(p, m) for m in p.modes)
+            modes = ", ".join(mode_label(p, m, repeats) for m in p.modes)
             rest = [f"failed (exit {entry.exit_code})"] + [""] * (len(header) - 8) + ["no"]
             lines.append("| " + " | ".join([*lead, modes, *rest]) + " |")
             continue
-        sync = syncs.get(p.group)
+        sync = syncs.get((*p.group, p.repeat))
         for mode, m in report.modes.items():
             b = m.breakdown
             split = " / ".join(
@@ -130,7 +136,7 @@ def markdown_table(results: Sequence[BenchRun], ttft_slo_s: float | None = None)
             vs_sync = mode != "sync" and sync is not None
             cells = [
                 *lead,
-                mode_label(p, mode),
+                mode_label(p, mode, repeats),
                 f"{m.tokens_per_s:.0f}",
                 f"{m.ttft_p50:.3f}",
                 f"{m.ttft_p99:.3f}",
@@ -142,8 +148,43 @@ def markdown_table(results: Sequence[BenchRun], ttft_slo_s: float | None = None)
                 verified(report, mode),
             ]
             lines.append("| " + " | ".join(cells) + " |")
-    notes = [*placement_notes(results), *best_split_notes(results)]
+    notes = [*placement_notes(results), *spread_notes(results), *best_split_notes(results)]
     return "\n".join([*lines, *([""] if notes else []), *notes])
+
+
+def spread_notes(results: Sequence[BenchRun]) -> list[str]:
+    """Where a group ran more than once (``--repeats``): per mode, the median of its
+    tokens/s and TTFT p99 against the sync run of the same repeat, with the range over the
+    repeats and how many verified repeats it has -- the spread a single ratio hides."""
+    syncs = sync_of(results)
+    ratios: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
+    for entry in results:
+        p, report = entry.point, entry.report
+        sync = syncs.get((*p.group, p.repeat))
+        if report is None or sync is None:
+            continue
+        for mode, m in report.modes.items():
+            if mode == "sync" or verified(report, mode).startswith("no"):
+                continue
+            key = (*p.group, mode_label(p, mode))
+            ratios.setdefault(key, []).append(
+                (m.tokens_per_s / sync.tokens_per_s, m.ttft_p99 / sync.ttft_p99)
+            )
+    repeated = {p.group for p in (e.point for e in results) if p.repeat > 0}
+    notes = []
+    for (preset, workload, a, f, share, rate, label), values in ratios.items():
+        if (preset, workload, a, f, share, rate) not in repeated:
+            continue
+        tokens = sorted(v[0] for v in values)
+        p99 = sorted(v[1] for v in values)
+        shares = "" if share is None else f", A {share} %"
+        notes.append(
+            f"Over {len(values)} verified repeats, {preset} {workload} {a}A{f}F{shares} "
+            f"{_rate_label(rate)}, {label} vs sync: tokens/s median "
+            f"{statistics.median(tokens):.2f}x ({tokens[0]:.2f}-{tokens[-1]:.2f}x), TTFT p99 "
+            f"median {statistics.median(p99):.2f}x ({p99[0]:.2f}-{p99[-1]:.2f}x)."
+        )
+    return notes
 
 
 def placement_notes(results: Sequence[BenchRun]) -> list[str]:
