@@ -301,17 +301,71 @@ def test_repeats_run_each_group_again_and_compare_each_run_with_its_own_sync(
     assert by["async N=2, run 3 of 3"][-3] == f"{150 / 100:.2f}x"
     notes = spread_notes(runs)
     assert notes == [
-        "Over 3 verified repeats, v2-lite uneven 2A1F all at once, async N=1 vs sync: "
-        f"tokens/s median {1.5:.2f}x ({1.1:.2f}-{2.0:.2f}x), TTFT p99 median 0.50x "
-        "(0.50-0.50x).",
-        "Over 3 verified repeats, v2-lite uneven 2A1F all at once, async N=2 vs sync: "
-        f"tokens/s median {1.5:.2f}x ({1.2:.2f}-{1.5:.2f}x), TTFT p99 median 0.75x "
-        "(0.75-0.75x).",
+        "Spread, v2-lite uneven 2A1F all at once, async N=1 vs sync (3 of 3 repeats "
+        f"verified): tokens/s median {1.5:.2f}x ({1.1:.2f}-{2.0:.2f}x), TTFT p99 median "
+        "0.50x (0.50-0.50x).",
+        "Spread, v2-lite uneven 2A1F all at once, async N=2 vs sync (3 of 3 repeats "
+        f"verified): tokens/s median {1.5:.2f}x ({1.2:.2f}-{1.5:.2f}x), TTFT p99 median "
+        "0.75x (0.75-0.75x).",
     ]
     assert all(note in table for note in notes)
     # One launch each: no spread line, and the labels name no run.
     assert spread_notes([r for r in runs if r.point.repeat == 0]) == []
     assert "run 1 of" not in markdown_table([r for r in runs if r.point.repeat == 0])
+    # A stopped benchmark: labelled against the plan's count, not the runs it has.
+    assert "async N=1, run 1 of 3" in markdown_table(runs[:2], repeats=3)
+
+    # Only verified comparisons count: repeat 1's sync unverified (its 9x ratio must not
+    # count), repeat 2's async at N=2 unverified, and repeat 2's N=1 run lost.
+    bad_sync = repeat_of(1, 900.0, 100.0, 450.0)
+    verification = dict(bad_sync[0].report.verification)
+    verification["verification_failures"] = {"sync": ["request 0: NaN"]}
+    bad_sync[0] = dataclasses.replace(
+        bad_sync[0], report=dataclasses.replace(bad_sync[0].report, verification=verification)
+    )
+    third = repeat_of(2, 200.0, 100.0, 150.0)
+    lost = BenchRun(third[0].point, "afd run", 1, 1.0, None)
+    bad_async = dict(third[1].report.verification)
+    bad_async["verification_failures"] = {"async": ["request 3: 0.5 off"]}
+    unverified = dataclasses.replace(
+        third[1], report=dataclasses.replace(third[1].report, verification=bad_async)
+    )
+    mixed = [*repeat_of(0, 300.0, 200.0, 240.0), *bad_sync, lost, unverified]
+    assert spread_notes(mixed) == [
+        "Spread, v2-lite uneven 2A1F all at once, async N=1 vs sync (1 of 3 repeats "
+        f"verified): tokens/s {1.5:.2f}x (one repeat: no range), TTFT p99 0.50x (one repeat: "
+        "no range).",
+        "Spread, v2-lite uneven 2A1F all at once, async N=2 vs sync (1 of 3 repeats "
+        f"verified): tokens/s {1.2:.2f}x (one repeat: no range), TTFT p99 0.75x (one "
+        "repeat: no range).",
+    ]
+    # The lost run's row names what it was to run, and which launch, once.
+    assert "| async N=1, sync (run 3 of 3) | failed (exit 1) |" in markdown_table(mixed)
+    only_bad = [*bad_sync]
+    assert spread_notes(only_bad, repeats=3) == [
+        "Spread, v2-lite uneven 2A1F all at once, async N=1 vs sync: no verified repeat.",
+        "Spread, v2-lite uneven 2A1F all at once, async N=2 vs sync: no verified repeat.",
+    ]
+
+
+def test_the_best_split_is_the_best_median_over_repeats_not_the_luckiest_launch() -> None:
+    def launch(share: int, repeat: int, tokens: float) -> BenchRun:
+        point = dataclasses.replace(_point(share, 1, ("async", "sync")), repeat=repeat)
+        shares = {"attention rank 0": share, "attention rank 1": share, "ffn rank 0": 50}
+        modes = {
+            "async": _summary("async", tokens, 1.0, [1.0]),
+            "sync": _summary("sync", 100.0, 2.0, [2.0]),
+        }
+        return _run(point, modes, shares)
+
+    # Split 20: one lucky launch (900) among slow ones; split 25: steady at 400.
+    runs = [launch(20, r, t) for r, t in enumerate((900.0, 200.0, 210.0))]
+    runs += [launch(25, r, 400.0) for r in range(3)]
+    (note,) = best_split_notes(runs)
+    assert note.startswith(
+        "Best SM split, v2-lite uneven 2A1F all at once: async N=1 at A 25 / F 50 "
+        "(400 tokens/s, median of 3 launches)"
+    ), note
 
 
 def test_a_mode_summary_counts_goodput_against_the_slo() -> None:

@@ -84,13 +84,17 @@ def test_resume_refuses_another_matrix_and_needs_a_json_file(
     code, _ = _bench(tmp_path, "--json", str(report), "--resume")
     assert code == 2
     err = capsys.readouterr().err
-    assert "was written by another matrix (planned runs 5 (this command: 2))" in err
+    assert (
+        "was written by another matrix (planned runs 5 (this command: 2); its runs are other "
+        "configurations (--layout, --stages, --repeats, ...))" in err
+    )
     assert json.loads(report.read_text())["planned_runs"] == 5  # left as it was
     # Another seed (or --run-arg) measures other runs: refused too.
     code, _ = _bench(tmp_path, "--json", str(report), "--resume", "--seed", "3")
     assert code == 2
     err = capsys.readouterr().err
     assert "planned runs 5 (this command: 2); --seed 0 (this command: 3)" in err
+    assert "its runs are other configurations (--layout, --stages, --repeats, ...)" in err
     for extra in (["--resume"], ["--time-budget", "60"]):
         code, _ = _bench(tmp_path, *extra)
         assert code == 2

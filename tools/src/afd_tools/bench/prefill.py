@@ -70,7 +70,7 @@ from afd_tools.bench.prefill_matrix import (
     warm_up_plan,
     warms_up,
 )
-from afd_tools.bench.prefill_resume import ResumeError, resumed_runs
+from afd_tools.bench.prefill_resume import ResumeError, point_key, resumed_runs
 from afd_tools.bench.prefill_table import BenchRun, markdown_table
 from afd_tools.outputs import check_writable, write_atomically
 from afd_tools.prefill.run_report import RunReport
@@ -322,6 +322,7 @@ def run_prefill(args: argparse.Namespace) -> int:
                     "ttft_slo_s": args.ttft_slo,
                     "run_args": list(args.run_arg),
                     "seed": args.seed,
+                    "plan": [point_key(point) for point, _ in runs],
                     "complete": complete,
                     "planned_runs": len(runs),
                     "warm_up": warmed,
@@ -356,7 +357,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         else:
             save(complete=True)
     failed_warm_ups = [w for w in warmed if w["exit_code"] != 0]
-    table = markdown_table(results, args.ttft_slo)
+    table = markdown_table(results, args.ttft_slo, args.repeats)
     if failed_warm_ups:
         table += "\n" + "\n".join(
             f"Warm-up failed (exit {w['exit_code']}): {w['command']}" for w in failed_warm_ups

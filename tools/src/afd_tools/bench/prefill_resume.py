@@ -14,6 +14,7 @@ less than ``MAIN_JOB_MIN_LEFT`` seconds are left).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,14 @@ from afd_tools.run.job import RunJob
 
 class ResumeError(ValueError):
     """A ``--json`` file that ``--resume`` cannot continue; the message says why."""
+
+
+_POINT_DEFAULTS: dict[str, Any] = {
+    f.name: None if f.default is dataclasses.MISSING else f.default
+    for f in dataclasses.fields(Point)
+}
+"""Every field of a run's place in the matrix, with the default a file written before the
+field existed stands for (``repeat``: 0)."""
 
 
 def point_key(point: Point) -> str:
@@ -65,6 +74,8 @@ def resumed_runs(
         )
         if data.get(key) != mine
     ]
+    if data.get("plan") != [point_key(point) for point, _ in runs]:
+        differs.append("its runs are other configurations (--layout, --stages, --repeats, ...)")
     if differs:
         raise ResumeError(
             f"--resume: {path} was written by another matrix ({'; '.join(differs)}); give "
@@ -77,7 +88,7 @@ def resumed_runs(
         if not isinstance(entry, dict):
             raise ResumeError(f"--resume: {where} is not an object")
         key = json.dumps(
-            {name: entry.get(name) for name in json.loads(point_key(runs[0][0]))},
+            {name: entry.get(name, default) for name, default in _POINT_DEFAULTS.items()},
             sort_keys=True,
         )
         index = plan.get(key)

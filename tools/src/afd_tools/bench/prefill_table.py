@@ -73,18 +73,27 @@ def _ratio(value: float, base: float | None) -> str:
     return f"{value / base:.2f}x"
 
 
-def sync_of(results: Sequence[BenchRun]) -> dict[tuple[Any, ...], ModeSummary]:
+def sync_of(
+    results: Sequence[BenchRun], verified_only: bool = False
+) -> dict[tuple[Any, ...], ModeSummary]:
     """Each group's sync summary per repeat (from the run of its group and repeat that ran
-    sync), keyed by ``(*group, repeat)``."""
+    sync), keyed by ``(*group, repeat)``; with ``verified_only``, only where sync's outputs
+    were verified."""
     found: dict[tuple[Any, ...], ModeSummary] = {}
     for entry in results:
-        if entry.report is not None and "sync" in entry.report.modes:
-            key = (*entry.point.group, entry.point.repeat)
-            found[key] = entry.report.modes["sync"]
+        report = entry.report
+        if report is None or "sync" not in report.modes:
+            continue
+        if verified_only and verified(report, "sync").startswith("no"):
+            continue
+        key = (*entry.point.group, entry.point.repeat)
+        found[key] = report.modes["sync"]
     return found
 
 
-def markdown_table(results: Sequence[BenchRun], ttft_slo_s: float | None = None) -> str:
+def markdown_table(
+    results: Sequence[BenchRun], ttft_slo_s: float | None = None, repeats: int | None = None
+) -> str:
     """One row per (run, mode); a failed or unverified run says so. Ratios are this row over
     the sync row of its group: tokens/s (above 1: faster) and TTFT p99 (below 1: sooner)."""
     goodput = [] if ttft_slo_s is None else [f"goodput at TTFT <= {ttft_slo_s:g} s, req/s"]
@@ -107,12 +116,15 @@ def markdown_table(results: Sequence[BenchRun], ttft_slo_s: float | None = None)
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     syncs = sync_of(results)
-    repeats = 1 + max((entry.point.repeat for entry in results), default=0)
+    if repeats is None:  # the plan's count where given (a stopped benchmark has fewer)
+        repeats = 1 + max((entry.point.repeat for entry in results), default=0)
     for entry in results:
         p, report = entry.point, entry.report
         lead = [p.preset, p.workload, p.layout, shares_label(report, p), _rate_label(p.rate)]
         if report is None:
-            modes = ", ".join(mode_label(p, m, repeats) for m in p.modes)
+            modes = ", ".join(mode_label(p, m) for m in p.modes)
+            if repeats > 1:
+                modes += f" (run {p.repeat + 1} of {repeats})"
             rest = [f"failed (exit {entry.exit_code})"] + [""] * (len(header) - 8) + ["no"]
             lines.append("| " + " | ".join([*lead, modes, *rest]) + " |")
             continue
@@ -148,41 +160,58 @@ def markdown_table(results: Sequence[BenchRun], ttft_slo_s: float | None = None)
                 verified(report, mode),
             ]
             lines.append("| " + " | ".join(cells) + " |")
-    notes = [*placement_notes(results), *spread_notes(results), *best_split_notes(results)]
+    notes = [
+        *placement_notes(results),
+        *spread_notes(results, repeats),
+        *best_split_notes(results),
+    ]
     return "\n".join([*lines, *([""] if notes else []), *notes])
 
 
-def spread_notes(results: Sequence[BenchRun]) -> list[str]:
-    """Where a group ran more than once (``--repeats``): per mode, the median of its
-    tokens/s and TTFT p99 against the sync run of the same repeat, with the range over the
-    repeats and how many verified repeats it has -- the spread a single ratio hides."""
-    syncs = sync_of(results)
+def spread_notes(results: Sequence[BenchRun], repeats: int | None = None) -> list[str]:
+    """Where a group ran more than once (``--repeats``): per mode, how many of the
+    ``repeats`` launches compared a verified mode with a verified sync of the same repeat,
+    and over those the median of its tokens/s and TTFT p99 against that sync, with the
+    range (from two such repeats on) -- the spread a single ratio hides."""
+    syncs = sync_of(results, verified_only=True)
+    planned = repeats or 1 + max((e.point.repeat for e in results), default=0)
     ratios: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
     for entry in results:
         p, report = entry.point, entry.report
+        for mode in p.modes:
+            if mode != "sync":
+                ratios.setdefault((*p.group, mode_label(p, mode)), [])
         sync = syncs.get((*p.group, p.repeat))
-        if report is None or sync is None:
+        if report is None or sync is None or not (sync.tokens_per_s > 0 and sync.ttft_p99 > 0):
             continue
         for mode, m in report.modes.items():
             if mode == "sync" or verified(report, mode).startswith("no"):
                 continue
             key = (*p.group, mode_label(p, mode))
-            ratios.setdefault(key, []).append(
-                (m.tokens_per_s / sync.tokens_per_s, m.ttft_p99 / sync.ttft_p99)
-            )
-    repeated = {p.group for p in (e.point for e in results) if p.repeat > 0}
+            ratios[key].append((m.tokens_per_s / sync.tokens_per_s, m.ttft_p99 / sync.ttft_p99))
+    if planned < 2:
+        return []
     notes = []
     for (preset, workload, a, f, share, rate, label), values in ratios.items():
-        if (preset, workload, a, f, share, rate) not in repeated:
+        where = (
+            f"{preset} {workload} {a}A{f}F{'' if share is None else f', A {share} %'} "
+            f"{_rate_label(rate)}, {label} vs sync"
+        )
+        counted = f"{len(values)} of {planned} repeats verified"
+        if not values:
+            notes.append(f"Spread, {where}: no verified repeat.")
             continue
         tokens = sorted(v[0] for v in values)
         p99 = sorted(v[1] for v in values)
-        shares = "" if share is None else f", A {share} %"
+
+        def figure(sorted_values: list[float]) -> str:
+            median = f"{statistics.median(sorted_values):.2f}x"
+            if len(sorted_values) < 2:
+                return f"{median} (one repeat: no range)"
+            return f"median {median} ({sorted_values[0]:.2f}-{sorted_values[-1]:.2f}x)"
+
         notes.append(
-            f"Over {len(values)} verified repeats, {preset} {workload} {a}A{f}F{shares} "
-            f"{_rate_label(rate)}, {label} vs sync: tokens/s median "
-            f"{statistics.median(tokens):.2f}x ({tokens[0]:.2f}-{tokens[-1]:.2f}x), TTFT p99 "
-            f"median {statistics.median(p99):.2f}x ({p99[0]:.2f}-{p99[-1]:.2f}x)."
+            f"Spread, {where} ({counted}): tokens/s {figure(tokens)}, TTFT p99 {figure(p99)}."
         )
     return notes
 
@@ -206,7 +235,8 @@ def placement_notes(results: Sequence[BenchRun]) -> list[str]:
 def best_split_notes(results: Sequence[BenchRun]) -> list[str]:
     """Where runs of one (preset, workload, A:F, rate) differ in the attention ranks' SM
     share: the share at which async (any stage count) and sync had their highest tokens/s,
-    each verified."""
+    each verified -- with ``--repeats``, the highest median over a split's verified
+    repeats (not its luckiest launch)."""
     sweeps: dict[tuple[Any, ...], list[BenchRun]] = {}
     for entry in results:
         p = entry.point
@@ -217,20 +247,24 @@ def best_split_notes(results: Sequence[BenchRun]) -> list[str]:
             continue
         parts = []
         for family in ("async", "sync"):
-            best: tuple[float, BenchRun, str] | None = None
+            # (split, mode label) -> the verified launches' tokens/s and a report to label
+            launches: dict[tuple[Any, str], tuple[list[float], BenchRun]] = {}
             for e in entries:
                 if e.report is None:
                     continue
                 for mode, m in e.report.modes.items():
                     if mode != family or verified(e.report, mode).startswith("no"):
                         continue
-                    if best is None or m.tokens_per_s > best[0]:
-                        best = (m.tokens_per_s, e, mode)
-            if best is not None:
-                tokens, e, mode = best
+                    key = (e.point.attention_share, mode_label(e.point, mode))
+                    launches.setdefault(key, ([], e))[0].append(m.tokens_per_s)
+            if launches:
+                (_, label), (values, e) = max(
+                    launches.items(), key=lambda item: statistics.median(item[1][0])
+                )
+                runs = "" if len(values) < 2 else f", median of {len(values)} launches"
                 parts.append(
-                    f"{mode_label(e.point, mode)} at {shares_label(e.report)} "
-                    f"({tokens:,.0f} tokens/s)"
+                    f"{label} at {shares_label(e.report)} "
+                    f"({statistics.median(values):,.0f} tokens/s{runs})"
                 )
             else:
                 parts.append(f"{family}: no verified run")
