@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -274,9 +275,18 @@ class PutBlock(PublishBlock):
         self._words[0] = len(values)
         self._words[1 : len(values) + 1] = list(values)
 
+    @staticmethod
+    def _call(kernel: Any, warmup: bool, *args: Any, **options: Any) -> Any:
+        """``kernel`` compiled and loaded without running (``warmup``: Triton's
+        ``warmup``) or launched (its ``run``, which ``kernel[grid](...)`` calls)."""
+        if warmup:
+            return kernel.warmup(*args, **options)
+        return kernel.run(*args, warmup=False, **options)
+
     def _extents(self, warmup: bool = False):
-        kernel = _put_extents_kernel.warmup if warmup else _put_extents_kernel.run
-        return kernel(
+        return self._call(
+            _put_extents_kernel,
+            warmup,
             self._staging,
             self._bases,
             self._pes,
@@ -289,12 +299,12 @@ class PutBlock(PublishBlock):
             COPY_BLOCK=COPY_BLOCK,
             extern_libs=self._extern,
             grid=(self.size, CHUNKS),
-            **({} if warmup else {"warmup": False}),
         )
 
     def _flags(self, warmup: bool = False):
-        kernel = _put_flags_kernel.warmup if warmup else _put_flags_kernel.run
-        return kernel(
+        return self._call(
+            _put_flags_kernel,
+            warmup,
             self._request_pointer,
             self._bases,
             self._pes,
@@ -302,7 +312,6 @@ class PutBlock(PublishBlock):
             extern_libs=self._extern,
             num_warps=1,  # every thread of the program puts the flag: the fewest threads
             grid=(1,),
-            **({} if warmup else {"warmup": False}),
         )
 
     def launch(self) -> None:

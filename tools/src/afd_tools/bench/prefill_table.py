@@ -173,8 +173,10 @@ def spread_notes(results: Sequence[BenchRun], repeats: int | None = None) -> lis
     ``repeats`` launches compared a verified mode with a verified sync of the same repeat,
     and over those the median of its tokens/s and TTFT p99 against that sync, with the
     range (from two such repeats on) -- the spread a single ratio hides."""
-    syncs = sync_of(results, verified_only=True)
     planned = repeats or 1 + max((e.point.repeat for e in results), default=0)
+    if planned < 2:
+        return []
+    syncs = sync_of(results, verified_only=True)
     ratios: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
     for entry in results:
         p, report = entry.point, entry.report
@@ -189,8 +191,6 @@ def spread_notes(results: Sequence[BenchRun], repeats: int | None = None) -> lis
                 continue
             key = (*p.group, mode_label(p, mode))
             ratios[key].append((m.tokens_per_s / sync.tokens_per_s, m.ttft_p99 / sync.ttft_p99))
-    if planned < 2:
-        return []
     notes = []
     for (preset, workload, a, f, share, rate, label), values in ratios.items():
         where = (

@@ -42,7 +42,7 @@ from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
 from afd_tools.sim.fitting import LinearFit, fit_nonnegative
 from afd_tools.sim.measured import MeasuredRun
 from afd_tools.sim.modes import MODES, ModeRun
-from afd_tools.sim.simulate import deployment, simulate_mode, summary
+from afd_tools.sim.simulate import Deployment, deployment, simulate_mode, summary
 
 CORES_GRID = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
 NOTIFY_GRID = (5e-5, 2e-4, 5e-4)
@@ -67,6 +67,9 @@ class Replay:
     mode: str
     measured: list[ModeSummary]
     sim: ModeRun
+    deployment: Deployment
+    """What ``sim`` simulated (its share scales: the run's SM split against the
+    calibration's)."""
 
 
 def _key(run: MeasuredRun) -> tuple[Any, ...]:
@@ -99,11 +102,11 @@ def replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str]) 
         for mode in modes:
             if mode in by_mode:
                 sim = simulate_mode(dep, mode, first.requests, first.assign)
-                out.append(Replay(first, mode, by_mode[mode], sim))
+                out.append(Replay(first, mode, by_mode[mode], sim, dep))
     return out
 
 
-def _deployment(run: MeasuredRun, cal: Calibration) -> Any:
+def _deployment(run: MeasuredRun, cal: Calibration) -> Deployment:
     shares = _shares(run, cal)
     return deployment(
         run.config,
@@ -173,7 +176,7 @@ def _regress(replays: list[Replay], cal: Calibration) -> tuple[Calibration, dict
         recs = [r for r in rp.sim.replicas if r.totals.layers]
         # The simulated work carries the run's share scale; the fitted coefficients are
         # at the calibration's shares, so each input counts scale times.
-        scaled = _deployment(rp.run, cal)
+        scaled = rp.deployment
         if measured.attention_steps and cal.cores is None:
             for row, seconds in step_rows(rp.run, measured.attention_steps):
                 attn_rows.append([scaled.attention_scale * x for x in row])
