@@ -17,8 +17,8 @@ Placement = Callable[[int], list[dict[str, str]]]
 """``placement(ranks)``: each rank's extra environment (``RankSpec.env``)."""
 
 
-@pytest.fixture(scope="session")
-def gpu_placement() -> Iterator[Placement]:
+def _placement() -> Iterator[Placement]:
+    """A placement whose MPS daemon (started on first use) is stopped when it is closed."""
     import torch
 
     from afd_transport_nvshmem.mps import MpsDaemon, equal_shares
@@ -40,3 +40,19 @@ def gpu_placement() -> Iterator[Placement]:
     finally:
         if daemon is not None:
             daemon.close()
+
+
+@pytest.fixture(scope="session")
+def gpu_placement() -> Iterator[Placement]:
+    """One MPS daemon for the session's well-behaved tests."""
+    yield from _placement()
+
+
+@pytest.fixture
+def private_gpu_placement() -> Iterator[Placement]:
+    """A daemon of the test's own, for a test that kills a rank: after a client dies with
+    work in flight the MPS server refuses every new client ("CUDA-capable device(s) is/are
+    busy or unavailable") until it has cleaned up, which made the next test on a shared
+    daemon fail at ``set_device`` (seen twice on one H200). Closing the daemon waits for its
+    server to exit, so the fault stays with the test that caused it."""
+    yield from _placement()

@@ -166,7 +166,7 @@ def test_graph_replayed_exchange_matches_the_reference(shared: str, gpu_placemen
 
 @pytest.mark.parametrize(("graphs", "data_path"), [(0, "mapped"), (4, "mapped"), (0, "put")])
 def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(
-    graphs: int, data_path: str, gpu_placement
+    graphs: int, data_path: str, private_gpu_placement
 ) -> None:  # type: ignore[no-untyped-def]
     """Also while the attention side replays its exchange from CUDA graphs, and over the put
     path."""
@@ -180,7 +180,7 @@ def test_killed_ffn_rank_fails_the_attention_rank_within_the_timeout(
     with pytest.raises(LaunchError) as caught:
         launch(
             window(),
-            _placed(specs, gpu_placement),
+            _placed(specs, private_gpu_placement),
             timeout=240,
             transport_factory=factory(graphs=graphs, data_path=data_path),
         )

@@ -138,7 +138,9 @@ def test_graphed_ffn_equals_the_eager_endpoint_bitwise(
         assert torch.equal(want, got)
 
 
-def test_killed_attention_rank_fails_the_graphed_ffn_within_the_timeout(gpu_placement) -> None:  # type: ignore[no-untyped-def]
+def test_killed_attention_rank_fails_the_graphed_ffn_within_the_timeout(  # type: ignore[no-untyped-def]
+    private_gpu_placement,
+) -> None:
     """The FFN rank spins in its graph's device waits; the host's liveness check between
     them names the dead attention rank (PeerAborted), long before the 60 s timeout."""
     jobs = jobs_of([32] * 50)
@@ -154,7 +156,7 @@ def test_killed_attention_rank_fails_the_graphed_ffn_within_the_timeout(gpu_plac
     with pytest.raises(LaunchError) as caught:
         launch(
             layout(1, "per_rank", "ffn").window(),
-            _placed(specs, gpu_placement),
+            _placed(specs, private_gpu_placement),
             timeout=240,
             transport_factory=factory(publish="kernel", graphs=4),
         )
