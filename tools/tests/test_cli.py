@@ -221,16 +221,18 @@ def test_a_short_soak_verifies_every_output_and_finds_no_growth(
 def test_bench_prefill_uniform_has_the_uneven_total_and_refuses_docs_without_markers(
     tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from afd_tools.bench.prefill_matrix import QUICK, workload_lengths
+    from afd_tools.bench.prefill_matrix import FULL, QUICK, workload_lengths
     from afd_tools.prefill.workload import prompt_lengths
 
     uniform = workload_lengths("uniform", "v2-lite", QUICK, 3)
     assert uniform is not None
     assert sum(uniform) == sum(prompt_lengths("uneven", QUICK.requests, 3, QUICK.max_prompt_len))
     assert max(uniform) - min(uniform) <= 1
-    long = workload_lengths("long", "v3-slice", QUICK, 3)
-    assert long is not None
-    assert all(QUICK.long_range[0] <= n <= QUICK.long_range[1] for n in long)
+    for size, requests in ((QUICK, 12), (FULL, 16)):
+        long = workload_lengths("long", "v3-slice", size, 3)
+        assert long is not None
+        assert len(long) == requests == size.long_requests
+        assert all(size.long_range[0] <= n <= size.long_range[1] for n in long)
     docs = tmp_path / "plain.md"
     docs.write_text("no markers here\n")
     assert main(["bench", "prefill", "--docs", str(docs)]) == 2

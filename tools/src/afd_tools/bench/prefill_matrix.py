@@ -41,10 +41,14 @@ class Size:
     """``--max-num-batched-tokens``."""
     layers: dict[str, int]
     long_range: tuple[int, int]
+    long_requests: int
+    """Requests of the ``long`` mix: each is 8K-32K tokens, so fewer than the others have
+    (at 48 of them, 985K tokens, one full-size v3-slice 2A1F run on one H200 took over
+    9 minutes, more than one call to a lent GPU machine)."""
 
 
-QUICK = Size(12, 4096, 8192, {"v2-lite": 4, "v3-slice": 2}, (8192, 16384))
-FULL = Size(48, 16384, 16384, {"v2-lite": 27, "v3-slice": 4}, (8192, 32768))
+QUICK = Size(12, 4096, 8192, {"v2-lite": 4, "v3-slice": 2}, (8192, 16384), 12)
+FULL = Size(48, 16384, 16384, {"v2-lite": 27, "v3-slice": 4}, (8192, 32768), 16)
 
 SWEPT = {
     "attention_ranks": "--layout",
@@ -192,7 +196,7 @@ def workload_lengths(workload: str, preset: str, size: Size, seed: int) -> list[
         return [base + (i < extra) for i in range(n)]
     if workload == "long":
         low, high = size.long_range
-        return [rng.randint(low, high) for _ in range(n)]
+        return [rng.randint(low, high) for _ in range(size.long_requests)]
     center = BALANCED_LENGTH.get(preset, size.max_prompt_len)
     return [int(center * rng.uniform(0.9, 1.1)) for _ in range(n)]
 

@@ -404,7 +404,7 @@ def _fit_grids(args: argparse.Namespace) -> dict[str, list[Any]]:
 def _validate_parser(kinds: Any) -> None:
     v = kinds.add_parser(
         "validate",
-        help="leave one A:F pair out: predict each pair's runs from a fit on the others",
+        help="leave one A:F pair (or workload) out: predict its runs from a fit on the others",
         description=validation.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -412,9 +412,17 @@ def _validate_parser(kinds: Any) -> None:
         "runs",
         nargs="+",
         type=Path,
-        help="afd run --json reports of at least two A:F pairs (one preset, dtype and device)",
+        help="afd run --json reports of at least two A:F pairs (or workloads, with --hold-out "
+        "workload); one preset, dtype and device",
     )
     _grid_options(v)
+    v.add_argument(
+        "--hold-out",
+        choices=sorted(validation.HOLD_OUT),
+        default="pair",
+        help="what each fold leaves out: an A:F pair (default), or a workload (the prompt "
+        "mix by name: can a fit on one mix predict another?)",
+    )
     v.add_argument(
         "--tolerance", type=float, default=0.15, help="relative error counted as a good prediction"
     )
@@ -430,9 +438,9 @@ def run_validate(args: argparse.Namespace) -> int:
         raise SimError(f"--tolerance {args.tolerance}: give a fraction, e.g. 0.15")
     runs = read_runs(list(args.runs))
     fit = _fit_grids(args)
-    pairs = len({(r.attention_ranks, r.ffn_ranks) for r in runs})
-    with _bar(pairs, "folds", args.no_progress) as advance:
-        predictions = validation.leave_one_pair_out(runs, progress=advance, **fit)
+    groups = validation.folds(runs, args.hold_out)
+    with _bar(len(groups), "folds", args.no_progress) as advance:
+        predictions = validation.leave_one_out(runs, args.hold_out, progress=advance, **fit)
     print(validation.table(predictions))
     for line in validation.gaps(predictions):
         print(line)

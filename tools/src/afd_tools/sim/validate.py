@@ -5,6 +5,10 @@ runs, the calibration is fitted (:func:`~afd_tools.sim.calibrate.fit_runs`) on e
 *other* pair's runs, and the held-out pair's configurations are simulated and compared
 with the median of their repeats, mode by mode, on makespan and TTFT p50. Nothing of a
 held-out measurement enters its own fit, so the errors are out-of-sample.
+
+``--hold-out workload`` leaves one workload out instead (the prompt mix by name: ``uneven``,
+a workload file's): can a fit on one mix of prompt lengths predict another, e.g. prompts
+twice as long as any it was fitted on, where attention's squared-length term dominates?
 """
 
 from __future__ import annotations
@@ -63,25 +67,55 @@ def predict_held_out(
     return out
 
 
+HOLD_OUT: dict[str, tuple[str, Callable[[MeasuredRun], str]]] = {
+    "pair": ("A:F pairs", lambda r: f"{r.attention_ranks}A{r.ffn_ranks}F"),
+    "workload": ("workloads", lambda r: r.workload),
+}
+"""What a fold holds out: its name in messages, and each run's group."""
+
+
+def folds(runs: Sequence[MeasuredRun], hold_out: str = "pair") -> list[str]:
+    """The groups of ``runs`` that are held out one at a time (sorted); :class:`SimError`
+    for an unknown ``hold_out`` or fewer than two groups."""
+    if hold_out not in HOLD_OUT:
+        raise SimError(f"hold_out {hold_out!r}: choose one of {', '.join(HOLD_OUT)}")
+    name, group = HOLD_OUT[hold_out]
+    groups = sorted({group(r) for r in runs})
+    if len(groups) < 2:
+        raise SimError(
+            f"leaving one out needs runs of at least two {name}; these have "
+            f"{', '.join(groups) or 'none'}"
+        )
+    return groups
+
+
+def leave_one_out(
+    runs: Sequence[MeasuredRun],
+    hold_out: str = "pair",
+    progress: Callable[[int, int], None] | None = None,
+    **fit: Any,
+) -> list[Prediction]:
+    """Every group (an A:F pair, or a workload) predicted from a fit on the others
+    (module docstring)."""
+    groups = folds(runs, hold_out)
+    group = HOLD_OUT[hold_out][1]
+    out: list[Prediction] = []
+    for index, held_group in enumerate(groups):
+        train = [r for r in runs if group(r) != held_group]
+        held = [r for r in runs if group(r) == held_group]
+        out.extend(predict_held_out(train, held, **fit))
+        if progress is not None:
+            progress(index + 1, len(groups))
+    return out
+
+
 def leave_one_pair_out(
     runs: Sequence[MeasuredRun],
     progress: Callable[[int, int], None] | None = None,
     **fit: Any,
 ) -> list[Prediction]:
     """Every A:F pair predicted from a fit on the others (module docstring)."""
-    pairs = sorted({(r.attention_ranks, r.ffn_ranks) for r in runs})
-    if len(pairs) < 2:
-        raise SimError(
-            f"leave-one-pair-out needs runs of at least two A:F pairs; these have {pairs}"
-        )
-    out: list[Prediction] = []
-    for index, pair in enumerate(pairs):
-        train = [r for r in runs if (r.attention_ranks, r.ffn_ranks) != pair]
-        held = [r for r in runs if (r.attention_ranks, r.ffn_ranks) == pair]
-        out.extend(predict_held_out(train, held, **fit))
-        if progress is not None:
-            progress(index + 1, len(pairs))
-    return out
+    return leave_one_out(runs, "pair", progress, **fit)
 
 
 def table(predictions: Sequence[Prediction]) -> str:
