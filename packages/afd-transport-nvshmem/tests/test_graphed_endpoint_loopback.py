@@ -483,3 +483,68 @@ def test_a_dead_ffn_rank_is_named_while_the_graph_wait_is_replayed_slice_after_s
         attention.combine(handle, timeout=30.0)
     assert time.monotonic() - started < 5.0
     assert checks == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_replayed_headers_equal_the_encoded_headers_of_each_dispatch(shared: str) -> None:
+    """What a replay copies to the FFN ranks' headers (filled from the template the first
+    replay kept) is, word for word, the encoding of the Header each FFN rank must see:
+    this dispatch's layer, stage and its own new sequence number, the graph's token count
+    and shared rows; a layer past int32 is still refused by the encoding, and its ring
+    comes back."""
+    from afd_protocol import FLAG_ROWS_PER_TOKEN, Header, MessageKind, ProtocolError
+    from afd_protocol.core.header import encode_fixed_words
+
+    layout = layout_of("per_rank", "ffn", a=1, f=3, tokens=32, shared=shared)
+    world = LoopbackWorld(layout.window(ring_depth=1))
+    transport = world.transport(Role.ATTENTION, 0)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
+    experts = linear_experts(world, layers=8)
+    attention = GraphedAttentionEndpoint(transport, FAST, REFERENCE_KERNELS, capture=replayed_calls)
+    x, ids, w = route(6, 3, list(range(7)), 70)
+    for step, (layer, stage) in enumerate([(0, 0), (1, 0), (2, 1), (7, 3), (5, 2), (3, 0)]):
+        before = transport.sequence.last
+        handle = attention.dispatch(layer, x, ids, w, stage=stage)
+        seqs = [before + 1 + dest for dest in range(3)]
+        assert [handle.expected[d].seq for d in range(3)] == seqs
+        if step == 0:  # eager: the graphs come with the second dispatch
+            assert 6 not in attention.token_counts
+            experts.drain(ffns)
+            attention.combine(handle)
+            continue
+        entry = attention._graphs[6][0]
+        wanted = []
+        for dest in range(3):
+            header = Header(
+                MessageKind.DISPATCH,
+                src_rank=0,
+                layer=layer,
+                stage=stage,
+                num_tokens=6,
+                routed_rows=0,
+                shared_rows=handle.plan.shared_rows(dest),
+                seq=seqs[dest],
+                flags=FLAG_ROWS_PER_TOKEN,
+                expert_counts=(0,) * layout.num_local_experts(dest),
+            )
+            wanted += encode_fixed_words(header)
+        assert entry.fixed_host.tolist() == wanted, step
+        assert [handle.expected[d].shared_rows for d in range(3)] == [
+            handle.plan.shared_rows(d) for d in range(3)
+        ]
+        # Captured at step 1, first replayed (and the template kept) at 2, filled from it since.
+        assert (entry.header_words is not None) == (step >= 2), step
+        experts.drain(ffns)
+        attention.combine(handle)
+    with pytest.raises(ProtocolError, match="does not fit in int32"):
+        attention.dispatch(2**31, x, ids, w)
+    assert attention.in_flight == 0
+    handle = attention.dispatch(4, x, ids, w)  # the ring came back
+    experts.drain(ffns)
+    torch.testing.assert_close(
+        attention.combine(handle).double(),
+        experts.reference(4, x, ids, w, shared == "ffn"),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    attention.close()

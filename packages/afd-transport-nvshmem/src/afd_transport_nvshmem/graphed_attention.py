@@ -62,14 +62,17 @@ from afd_protocol import (
     DevicePlan,
     DispatchHandle,
     EndpointOptions,
+    Header,
     PeerAborted,
     PeerTimeout,
     WireOrder,
+    Word,
     check_expert_bounds,
     keeping_constants,
 )
 from afd_protocol.window import (
     Arrivals,
+    ExpectedReply,
     PublishBlock,
     WindowDispatch,
     WindowTransport,
@@ -314,6 +317,47 @@ class _LayerGraphs:
     combine_out: torch.Tensor | None = None
     """``[T, H]`` activation dtype: the combine graph's output."""
     bounds_ready: torch.Event | None = None
+    header_words: _HeaderWords | None = None
+    """The replays' header words with the per-dispatch ones left to fill (made from the
+    first replay's headers)."""
+
+
+_INT32_MAX = 2**31 - 1
+_PER_DISPATCH = (Word.LAYER, Word.STAGE, Word.SEQ)
+"""The header words that differ between dispatches replayed from one graph."""
+
+
+@dataclass(frozen=True)
+class _HeaderWords:
+    """Every FFN rank's fixed header words of a replayed dispatch, as
+    :func:`~.kernel_attention.fixed_words` encodes them, with LAYER, STAGE and SEQ zero;
+    the rest (kind, source rank, token count, shared rows, flags, count of experts) is
+    fixed by the graph's token count and plan. Filling the three words costs the host a
+    list copy where building and encoding a :class:`~afd_protocol.Header` per FFN rank
+    cost it about as much as the rest of ``dispatch()``."""
+
+    words: tuple[int, ...]
+    shared_rows: tuple[int, ...]
+    """Each FFN rank's shared-expert rows (what its reply must say)."""
+
+    @classmethod
+    def of(cls, headers: Sequence[Header]) -> _HeaderWords:
+        words = fixed_words(list(headers))
+        for dest in range(len(headers)):
+            for word in _PER_DISPATCH:
+                words[dest * HEADER_FIXED_WORDS + word] = 0
+        return cls(tuple(words), tuple(h.shared_rows for h in headers))
+
+    def fill(self, layer: int, stage: int, seqs: Sequence[int]) -> list[int]:
+        """The words of a dispatch of ``layer`` and ``stage`` whose FFN ranks get
+        ``seqs`` (one each, in rank order)."""
+        words = list(self.words)
+        for dest, seq in enumerate(seqs):
+            base = dest * HEADER_FIXED_WORDS
+            words[base + Word.LAYER] = layer
+            words[base + Word.STAGE] = stage
+            words[base + Word.SEQ] = seq
+        return words
 
 
 class GraphedAttentionEndpoint(KernelAttentionEndpoint):
@@ -399,9 +443,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             return
         entry = self._layer_graphs(num_tokens, handle.ring, hidden_states, handle)
         self._stage_inputs(entry, (hidden_states, handle.topk_ids, handle.topk_weights))
-        headers = self._packed_headers(handle)
-        entry.fixed_words[:] = fixed_words(headers)
-        entry.publish.write([h.seq for h in headers])
+        seqs, shared_rows = self._write_headers(entry, handle)
+        entry.publish.write(seqs)
         if entry.dispatch is None:
             # The ring's first dispatch at this count was combined before this one could
             # take the ring, so the combine's kernel is loaded too: capture both now.
@@ -418,7 +461,29 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         handle.device_segments = (
             entry.plan.token_row_offsets if self._reduced_replies else entry.plan.segment_offsets
         )
-        self._expect(handle, headers)
+        for dest, (seq, shared) in enumerate(zip(seqs, shared_rows, strict=True)):
+            handle.expected[dest] = ExpectedReply(seq, None, shared)
+
+    def _write_headers(
+        self, entry: _LayerGraphs, handle: WindowDispatch
+    ) -> tuple[list[int], Sequence[int]]:
+        """Write every FFN rank's fixed header words of ``handle`` where the dispatch graph
+        copies them from; return the sequence numbers they took and the shared-expert rows
+        they announce (one each per FFN rank, in rank order). The
+        first replay of ``entry`` encodes :class:`~afd_protocol.Header` objects and keeps
+        them as a template; later ones fill its per-dispatch words (a layer or stage past
+        int32 takes the encoding path, which refuses it)."""
+        template = entry.header_words
+        if template is None or max(handle.layer, handle.stage) > _INT32_MAX:
+            headers = self._packed_headers(handle)
+            entry.fixed_words[:] = fixed_words(headers)
+            if entry.dispatch is not None:  # so handle.plan is the graph's own
+                entry.header_words = _HeaderWords.of(headers)
+            return [h.seq for h in headers], [h.shared_rows for h in headers]
+        next_seq = self._transport.sequence.next
+        seqs = [next_seq() for _ in template.shared_rows]
+        entry.fixed_words[:] = template.fill(handle.layer, handle.stage, seqs)
+        return seqs, template.shared_rows
 
     def _stage_inputs(self, entry: _LayerGraphs, inputs: tuple[torch.Tensor, ...]) -> None:
         """Where the dispatch graph reads the layer's hidden states, ids and weights from:
@@ -430,14 +495,12 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             for mine, theirs in zip(owned, inputs, strict=True):
                 mine.copy_(theirs)
             return
+        # Shapes and device need no comparing here: check_dispatch_inputs checked them
+        # against the layout and the transport, and the entry's key is the token count.
         fetched = []
         for index, (mine, theirs) in enumerate(zip(owned, inputs, strict=True)):
-            same = (theirs.dtype, theirs.shape, theirs.device) == (
-                mine.dtype,
-                mine.shape,
-                mine.device,
-            )
-            source = theirs if same and theirs.is_contiguous() else mine.copy_(theirs)
+            same = theirs.dtype == mine.dtype and theirs.is_contiguous()
+            source = theirs if same else mine.copy_(theirs)
             entry.sources[index] = source.data_ptr()
             fetched.append(source)
         entry.fetched = tuple(fetched)
