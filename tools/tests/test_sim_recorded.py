@@ -192,3 +192,21 @@ def _assert_same_coefficients(shipped: costs.Calibration, refit: costs.Calibrati
             assert got == pytest.approx(want, rel=1e-6, abs=1e-15), field.name
         else:
             assert got == want, field.name
+
+
+def test_the_quick_one_gpu_calibration_is_refitted_from_its_bundles() -> None:
+    """``h200-mps-quick-v3``: the quick v3-slice runs of one H200 (the four A:F pairs on the
+    uneven mix, and 2A1F on the uneven and long mixes with per-step records), refitted
+    from the two shipped bundles; the step records determine the squared-length cost."""
+    names = ("h200-mps-quick-v3-slice-runs.json.gz", "h200-mps-quick-2a1f-long-runs.json.gz")
+    folder = resources.files("afd_tools.sim") / "calibrations"
+    runs = read_runs([Path(str(folder / name)) for name in names])
+    assert len(runs) == 16
+    assert {r.workload for r in runs} == {"uneven", "v3-slice-long"}
+    shipped = costs.load("h200-mps-quick-v3")
+    assert all(name in shipped.command for name in names)
+    assert "--cores-grid none" in shipped.command
+    refit = fit_runs(runs, cores_grid=(None,))
+    assert "attn_square_s" not in refit.fit.get("not_determined", {})
+    assert shipped.attn_square_s > 0
+    _assert_same_coefficients(shipped, refit)
