@@ -10,7 +10,7 @@ mode against sync AFD of the same group, with every output verified. The workloa
 * ``uniform`` -- the same number of requests and the same total tokens, every prompt about
   the same length;
 * ``long`` -- prompts of 8K to 32K tokens, where V3-shaped attention outweighs the FFN (16
-  requests at the full size, 12 at the quick: each run must fit one lent-GPU call);
+  of them; at the quick size 12 of 8K to 16K: a run must fit one call to a lent GPU);
 * ``balanced`` -- prompts near the length where a layer's attention and FFN times are
   about equal on one H200 (V3 shapes about 12K tokens, V2-Lite about 24K; from the
   per-layer table of ``docs/design-notes.md``), where AFD can at best tie
