@@ -461,3 +461,27 @@ def test_run_phases_split_a_launch_at_its_first_mode_start_and_last_request_end(
     assert phases.describe() == (
         "start-up and warm-up 4.5 s, modes 4.5 s, stop 0.5 s, verification 2.2 s"
     )
+
+
+def test_run_phases_split_the_start_up_where_the_replicas_marked_it() -> None:
+    """Per launch, the mean over the replicas that marked it (every mode of a replica
+    carries the same marks) of: launch to program start, model, warm-up."""
+    from afd_tools.run.api import RunPhases
+
+    def result(marks: tuple[float, float, float] | None) -> ModeResult:
+        return ModeResult(origin=10.0, done={0: 1.0}, start_marks=marks)
+
+    values = [
+        {"async": result((8.0, 8.5, 9.5)), "sync": result((8.0, 8.5, 9.5))},
+        {"async": result((9.0, 9.5, 9.75))},
+        {"async": result(None)},  # a replica that recorded nothing is left out of the means
+    ]
+    phases = RunPhases()
+    phases.add_launch(7.0, (["async", "sync"], [], values, []), 12.0)
+    assert (phases.processes_s, phases.models_s, phases.warm_up_s) == (1.5, 0.5, 0.625)
+    assert phases.describe() == (
+        "start-up and warm-up 3.0 s [per replica: processes and transport 1.5 s, model 0.5 s, "
+        "warm-up 0.6 s], modes 1.0 s, stop 1.0 s, verification 0.0 s"
+    )
+    phases.add_launch(20.0, (["async"], [], [{"async": result(None)}], []), 31.5)
+    assert (phases.processes_s, phases.split_launches) == (1.5, 1)

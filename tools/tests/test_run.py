@@ -42,14 +42,19 @@ def test_all_modes_verify_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "PASS: every request's final hidden state matches" in out
     assert "async/sync tokens/s" in out
     took = re.search(
-        r"; (\d+) s \(start-up and warm-up ([\d.]+) s, modes ([\d.]+) s, stop ([\d.]+) s, "
+        r"; (\d+) s \(start-up and warm-up ([\d.]+) s \[per replica: processes and transport "
+        r"([\d.]+) s, model ([\d.]+) s, warm-up ([\d.]+) s\], modes ([\d.]+) s, stop ([\d.]+) s, "
         r"verification ([\d.]+) s\)$",
         out.strip().splitlines()[-1],
     )
     assert took is not None, out.strip().splitlines()[-1]
-    total, *phases = (float(v) for v in took.groups())
-    assert sum(phases) <= total + 1.0  # each rounded to 0.1 s, the total to 1 s
-    assert phases[0] > 0.0  # the ranks take time to start
+    total, start, processes, model, warm_up, *phases = (float(v) for v in took.groups())
+    assert start + sum(phases) <= total + 1.0  # each rounded to 0.1 s, the total to 1 s
+    assert start > 0.0  # the ranks take time to start
+    assert processes > 0.0  # spawning and importing take time; a tiny model may round to 0
+    assert min(model, warm_up) >= 0.0
+    # Every mode begins at a barrier, after every replica's warm-up: the split is inside.
+    assert processes + model + warm_up <= start + 0.3
     data = json.loads(report.read_text())
     assert set(data["modes"]) == {"async", "sync", "colocated"}
     prompt_tokens = sum(r["prompt_len"] for r in data["requests"])

@@ -18,6 +18,7 @@ back the verdict and the raw per-launch outcomes (the timeline plot's input).
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,12 +46,22 @@ class RunPhases:
     launch's start to its first mode's start on any replica (process start-up, the
     transport, the models, the warm-up), the modes (to the last request's end), from there
     to the launch's end (shutdown), and the verification. The ranks' mode starts are
-    ``time.monotonic()`` in their processes, the same clock on Linux."""
+    ``time.monotonic()`` in their processes, the same clock on Linux.
+
+    The start-up is split too where the replicas recorded it (``ModeResult.start_marks``),
+    as the mean over a launch's replicas: from the launch to the replica's program (its
+    process started, its transport connected), the model (weights, the GEMM probe on a
+    GPU), and the warm-up; what is left of ``start_s`` is the wait for the slowest rank."""
 
     start_s: float = 0.0
     modes_s: float = 0.0
     stop_s: float = 0.0
     verification_s: float = 0.0
+    processes_s: float = 0.0
+    models_s: float = 0.0
+    warm_up_s: float = 0.0
+    split_launches: int = 0
+    """Launches whose start-up is split into the three above."""
 
     def add_launch(self, launched: float, outcome: Outcome, ended: float) -> None:
         """Add one launch, begun at ``launched`` and ended at ``ended`` (monotonic)."""
@@ -64,12 +75,30 @@ class RunPhases:
         self.start_s += first - launched
         self.modes_s += last - first
         self.stop_s += ended - last
+        marks = [
+            m
+            for replica in values
+            for m in [next((r.start_marks for r in replica.values() if r.start_marks), None)]
+            if m is not None
+        ]
+        if marks:
+            self.processes_s += statistics.fmean(entered - launched for entered, _, _ in marks)
+            self.models_s += statistics.fmean(built - entered for entered, built, _ in marks)
+            self.warm_up_s += statistics.fmean(warmed - built for _, built, warmed in marks)
+            self.split_launches += 1
 
     def describe(self) -> str:
-        """``start-up and warm-up 9.1 s, modes 2.0 s, stop 0.4 s, verification 5.2 s``."""
+        """``start-up and warm-up 9.1 s, modes 2.0 s, stop 0.4 s, verification 5.2 s``;
+        where the start-up was split, the split follows it in brackets."""
+        split = (
+            f" [per replica: processes and transport {self.processes_s:.1f} s, model "
+            f"{self.models_s:.1f} s, warm-up {self.warm_up_s:.1f} s]"
+            if self.split_launches
+            else ""
+        )
         return (
-            f"start-up and warm-up {self.start_s:.1f} s, modes {self.modes_s:.1f} s, stop "
-            f"{self.stop_s:.1f} s, verification {self.verification_s:.1f} s"
+            f"start-up and warm-up {self.start_s:.1f} s{split}, modes {self.modes_s:.1f} s, "
+            f"stop {self.stop_s:.1f} s, verification {self.verification_s:.1f} s"
         )
 
 

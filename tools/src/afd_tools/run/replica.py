@@ -90,6 +90,11 @@ class ModeResult(ReplicaTimes):
     them (:class:`~afd_tools.run.routing.RoutingLog`); the verification's reference takes
     them at routing near-ties and checks them everywhere else. ``T * k * 4`` bytes per MoE
     layer and step, copied to the host after the step's end time was taken."""
+    start_marks: tuple[float, float, float] | None = None
+    """``time.monotonic()`` (comparable across processes on Linux) when the replica's
+    program began (its process started and its transport connected), when its model was
+    built (weights drawn, the GEMM probe run on a GPU), and when its warm-up ended; the
+    same for every mode of a replica, None where not recorded."""
 
 
 class StepSizes(Protocol):
@@ -554,9 +559,14 @@ def attention_replica(connection: Connection, **options: Any) -> dict[str, ModeR
     """One attention replica (or, over an expert-parallel connection, one colocated DP+EP
     rank): prefill its requests in each of its modes, returning a :class:`ModeResult` per
     mode. ``options`` are :meth:`ReplicaSetup.build`'s (the launcher passes them by name)."""
+    entered = time.monotonic()
     setup = ReplicaSetup.build(connection, **options)
+    built = time.monotonic()
     chosen = {name: replica_mode(name, setup) for name in setup.modes}
     setup.warm_up(next(iter(chosen.values())))
+    marks = (entered, built, time.monotonic())
     out = {name: mode.run() for name, mode in chosen.items()}
+    for result in out.values():
+        result.start_marks = marks
     setup.endpoint.announce_shutdown()
     return out
