@@ -15,9 +15,10 @@ from test_bench_prefill_matrix import SMALL_QUICK
 from afd_tools.cli import main
 
 
-def _bench(tmp_path: Path, *extra: str) -> tuple[int, str]:
+def _bench(tmp_path: Path, *extra: str, printed: io.StringIO | None = None) -> tuple[int, str]:
     """One small matrix on the CPU (a warm-up, 2:1 at one stage and at two), as
-    test_bench_prefill_matrix's fixture runs it, with ``extra`` options."""
+    test_bench_prefill_matrix's fixture runs it, with ``extra`` options; what it prints
+    goes to ``printed`` (kept by the caller when the benchmark raises) and is returned."""
     from afd_tools.bench import prefill
 
     argv = [
@@ -25,7 +26,7 @@ def _bench(tmp_path: Path, *extra: str) -> tuple[int, str]:
         "--layout", "2:1", "--stages", "1", "--stages", "2", "--run-arg=--device",
         "--run-arg=cpu", "--warm-up", "on", *extra,
     ]  # fmt: skip
-    printed = io.StringIO()
+    printed = io.StringIO() if printed is None else printed
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(prefill, "QUICK", SMALL_QUICK)
         code = main(argv)
@@ -102,3 +103,51 @@ def test_resume_refuses_another_matrix_and_needs_a_json_file(
     code, _ = _bench(tmp_path, "--json", str(report), "--time-budget", "nan")
     assert code == 2
     assert "--time-budget must be a finite number of seconds > 0" in capsys.readouterr().err
+
+
+def test_a_run_that_never_finishes_is_recorded_as_failed_after_two_sittings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run longer than any sitting (each sitting killed during it, as a lent machine's
+    time limit does): the file names it as started and unfinished, each sitting counts one
+    more start, and the third records it as failed (exit 124) and goes on to the next."""
+    from afd_tools.bench import prefill
+
+    report = tmp_path / "matrix.json"
+    seen: list[dict[str, int]] = []
+
+    def killed(job: object) -> tuple[int, None]:
+        seen.append(json.loads(report.read_text())["unfinished"])
+        raise KeyboardInterrupt  # the sitting ends inside the run
+
+    def sitting(*extra: str) -> str:
+        printed = io.StringIO()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(prefill, "run_in_fresh_process", killed)
+            argv = ("--json", str(report), "--warm-up", "off", *extra)
+            with pytest.raises(KeyboardInterrupt):
+                _bench(tmp_path, *argv, printed=printed)
+        return printed.getvalue()
+
+    sitting()
+    plan = json.loads(report.read_text())["plan"]
+    assert seen == [{plan[0]: 1}]  # marked before it started
+    assert json.loads(report.read_text())["unfinished"] == {plan[0]: 1}
+    sitting("--resume")
+    assert seen[-1] == {plan[0]: 2}
+    out = sitting("--resume")  # run 1 is not started a third time; run 2 is, and killed too
+    assert "[1/2] not started again: 2 sittings started it and none saw it finish" in out
+    assert "recorded as failed (exit 124)" in out
+    data = json.loads(report.read_text())
+    assert [(r["stages"], r["exit_code"]) for r in data["runs"]] == [(1, 124)]
+    assert "report" not in data["runs"][0]
+    assert data["unfinished"] == {plan[1]: 1}
+    assert seen[-1] == {plan[1]: 1}
+    code, out = _bench(tmp_path, "--json", str(report), "--resume", "--time-budget", "1")
+    assert code == 1, out  # run 2 measured this time; run 1 stays failed
+    assert "[1/2]" not in out
+    assert "failed (exit 124)" in out
+    data = json.loads(report.read_text())
+    assert data["complete"] is True
+    assert data["unfinished"] == {}
+    assert [(r["stages"], r["exit_code"]) for r in data["runs"]] == [(1, 124), (2, 0)]

@@ -56,12 +56,11 @@ def _probe_agrees(seen: dict[str, object]) -> None:
     assert bool(seen["sweep"]) == bool(bf16_probe), seen
 
 
-# 33 % (refused on an H200) is checked by the refusal test below, from the same sweep; 50 %
-# is the share of every 1A1F run of test_run_gpu, whose verification a dropped output fails.
+# 33 % (refused on an H200) is checked by the refusal test below, from the same sweep.
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(_gpu_missing() is not None, reason=_gpu_missing() or "")
-@pytest.mark.parametrize("share", [None, 25])
+@pytest.mark.parametrize("share", [None, 25, 50])
 def test_the_probe_agrees_with_a_sweep_on_this_gpu(share: int | None) -> None:
     """As an MPS client at ``share`` % (or the whole GPU): the probe flags the device
     exactly when a sweep of 400 row counts per shape finds an unwritten bf16 element."""

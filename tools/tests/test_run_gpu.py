@@ -99,11 +99,14 @@ def _nothing_of_mps_left(before: tuple[set[int], set[Path]]) -> None:
         time.sleep(0.5)
 
 
-def _check_one_gpu_sharing(placement: dict[str, object], out: str) -> None:
-    """With one GPU: both ranks were MPS clients at 50 %, and the colocated baseline was the
-    monolithic model on the whole GPU."""
-    assert placement["mps_shares"] == {"attention rank 0": 50, "ffn rank 0": 50}
-    assert "(GPUs shared under CUDA MPS: cuda:0 attention rank 0 50 %, ffn rank 0 50 %)" in out
+def _check_one_gpu_sharing(
+    placement: dict[str, object], out: str, attention: int = 50, ffn: int = 50
+) -> None:
+    """With one GPU: the two ranks were MPS clients at these shares (afd run's default:
+    50 % each), and the colocated baseline was the monolithic model on the whole GPU."""
+    assert placement["mps_shares"] == {"attention rank 0": attention, "ffn rank 0": ffn}
+    shared = f"cuda:0 attention rank 0 {attention} %, ffn rank 0 {ffn} %"
+    assert f"(GPUs shared under CUDA MPS: {shared})" in out
     assert "; colocated: monolithic model on one GPU (DP1, EP1)" in out
     assert placement["colocated_label"] == "colocated: monolithic model on one GPU (DP1, EP1)"
 
@@ -140,10 +143,14 @@ def test_every_mode_on_gpus_over_host_staging(tmp_path: Path) -> None:
 
 def test_every_mode_over_nvshmem_and_the_colocated_baseline(tmp_path: Path) -> None:
     """Two GPUs: one rank each over NVSHMEM, colocated DP2+EP2 over NCCL. One GPU: both
-    ranks on it under CUDA MPS over NVSHMEM (full MPG mode), colocated = the monolithic model
-    on the whole GPU; the MPS daemon is gone afterwards."""
+    ranks on it under CUDA MPS over NVSHMEM (full MPG mode), each at a share of its own
+    (--mps-attention-share 25 --mps-ffn-share 50, which must reach it: bf16 at a 25 %
+    attention share, as 2A1F runs; shares among afd_transport_nvshmem.mps.VERIFIED_SHARES,
+    at 30/70 bf16 results were NaN on the H200), colocated = the monolithic model on the
+    whole GPU; the MPS daemon is gone afterwards."""
     before = _mps_state()
-    data, out = _afd(tmp_path, *SMALL, "--stages", "2", *SHARE)
+    chosen = ["--mps-attention-share", "25", "--mps-ffn-share", "50"] if GPUS < 2 else []
+    data, out = _afd(tmp_path, *SMALL, "--stages", "2", *SHARE, *chosen)
     assert data["verification_failures"] == {}
     assert set(data["verification_worst"]) == {"async", "sync", "colocated"}
     _check_step_records(data)
@@ -155,7 +162,7 @@ def test_every_mode_over_nvshmem_and_the_colocated_baseline(tmp_path: Path) -> N
         assert "; colocated: DP2+EP over nccl" in out
         assert placement["mps_shares"] == {}
     else:
-        _check_one_gpu_sharing(placement, out)
+        _check_one_gpu_sharing(placement, out, attention=25, ffn=50)
     _no_afd_process_left()
     _nothing_of_mps_left(before)
 
@@ -168,23 +175,10 @@ def test_float32_on_the_gpu_matches_the_reference_to_float32_precision(
 ) -> None:
     """In float32 no rounding hides a wrong row: every mode within 1e-5 of the reference
     (over NVSHMEM; on one GPU under CUDA MPS), also with the exchange replayed from CUDA
-    graphs, and with every slot sent by the put path. On one GPU the eager run also gives
-    each rank a share of its own (--mps-attention-share 25 --mps-ffn-share 50), which must
-    reach it: shares among afd_transport_nvshmem.mps.VERIFIED_SHARES (at 30/70 bf16 results
-    were NaN on the H200)."""
-    chosen = not graphs and GPUS < 2
-    shares = ["--mps-attention-share", "25", "--mps-ffn-share", "50"] if chosen else []
-    before = _mps_state()
-    data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *SHARE, *graphs, *shares)
+    graphs, and with every slot sent by the put path."""
+    data, out = _afd(tmp_path, *SMALL, "--dtype", "float32", *SHARE, *graphs)
     assert "(tolerance 1e-05; worst " in out
     assert data["verification_failures"] == {}
-    if chosen:
-        placement = data["placement"]
-        assert isinstance(placement, dict)
-        assert placement["mps_shares"] == {"attention rank 0": 25, "ffn rank 0": 50}
-        assert "(GPUs shared under CUDA MPS: cuda:0 attention rank 0 25 %, ffn rank 0 50 %)" in out
-        _no_afd_process_left()
-        _nothing_of_mps_left(before)
     deployment = data["deployment"]
     assert deployment["exchange_graphs"] == (4 if graphs else 0)  # type: ignore[index]
     assert deployment["peer_puts"] == ("--peer-puts" in graphs)  # type: ignore[index]

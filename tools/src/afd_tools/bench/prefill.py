@@ -71,7 +71,15 @@ from afd_tools.bench.prefill_matrix import (
     warm_up_plan,
     warms_up,
 )
-from afd_tools.bench.prefill_resume import ResumeError, point_key, resumed_runs
+from afd_tools.bench.prefill_resume import (
+    NOT_FINISHED_EXIT,
+    UNFINISHED_LIMIT,
+    Resumed,
+    ResumeError,
+    point_key,
+    resumed_runs,
+    unfinished_json,
+)
 from afd_tools.bench.prefill_table import BenchRun, markdown_table
 from afd_tools.outputs import check_writable, write_atomically
 from afd_tools.prefill.run_report import RunReport
@@ -292,18 +300,21 @@ def run_prefill(args: argparse.Namespace) -> int:
         except WorkloadError as exc:
             print(f"afd bench prefill: error: {exc}", file=sys.stderr)
             return 2
-        kept: dict[int, BenchRun] = {}
-        warmed: list[dict[str, Any]] = []
+        resumed = Resumed()
         if args.resume:
             try:
-                kept, warmed = resumed_runs(
+                resumed = resumed_runs(
                     args.json, runs, size, args.ttft_slo, list(args.run_arg), args.seed
                 )
             except ResumeError as exc:
                 print(f"afd bench prefill: error: {exc}", file=sys.stderr)
                 return 2
-            if kept:
-                print(f"resuming {args.json}: {len(kept)} of {len(runs)} runs already measured")
+            if resumed.kept:
+                print(
+                    f"resuming {args.json}: {len(resumed.kept)} of {len(runs)} runs already "
+                    f"measured"
+                )
+        kept, warmed, unfinished = resumed.kept, resumed.warm_up, resumed.unfinished
         todo = [i for i in range(len(runs)) if i not in kept]
         warm_ups: dict[int, RunJob] = {}
         if todo and warms_up(args.warm_up, runs[todo[0]][1]):
@@ -327,6 +338,7 @@ def run_prefill(args: argparse.Namespace) -> int:
                     "complete": complete,
                     "planned_runs": len(runs),
                     "warm_up": warmed,
+                    "unfinished": unfinished_json(unfinished, runs),
                     "runs": [r.to_json() for r in results],
                 },
                 indent=2,
@@ -345,11 +357,29 @@ def run_prefill(args: argparse.Namespace) -> int:
             if args.time_budget is not None and ran and elapsed + longest > args.time_budget:
                 stopped = True
                 break
+            if unfinished.get(index, 0) >= UNFINISHED_LIMIT:
+                # Started in that many sittings and never finished: longer than a sitting.
+                command = job.command_line()
+                print(
+                    f"[{index + 1}/{len(runs)}] not started again: {unfinished[index]} "
+                    f"sittings started it and none saw it finish (longer than a sitting?); "
+                    f"recorded as failed (exit {NOT_FINISHED_EXIT}): make it smaller or give "
+                    f"it a sitting of its own: {command}",
+                    flush=True,
+                )
+                del unfinished[index]
+                results.append(BenchRun(point, command, NOT_FINISHED_EXIT, 0.0, None))
+                save(complete=False)
+                continue
             ran += 1
+            # Marked before it starts: a sitting killed during it leaves the mark behind.
+            unfinished[index] = unfinished.get(index, 0) + 1
+            save(complete=False)
             if index in warm_ups:
                 command, code, wall, _ = _run_announced(warm_ups[index], "warm-up, not timed")
                 warmed.append({"command": command, "exit_code": code, "wall_s": wall})
             command, code, wall, report = _run_announced(job, f"{index + 1}/{len(runs)}")
+            del unfinished[index]
             results.append(BenchRun(point, command, code, wall, report))
             longest = max(longest, wall + (warmed[-1]["wall_s"] if index in warm_ups else 0.0))
             save(complete=False)

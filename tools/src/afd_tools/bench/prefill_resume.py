@@ -10,6 +10,11 @@ or the resume is refused with what differs. The first run of a sitting always st
 a sitting whose budget is shorter than the longest run still makes progress (a caller
 with a hard limit leaves room for one run: ``tools/gpu/main-job`` skips a benchmark when
 less than ``MAIN_JOB_MIN_LEFT`` seconds are left).
+
+A run longer than any sitting would start again in every one and never end: the file
+names each run that was started and has not finished (``unfinished``: its place in the
+matrix and how many sittings started it), and after :data:`UNFINISHED_LIMIT` such starts a
+resume records it as failed (exit status 124, no report) and goes on with the others.
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ from afd_tools.bench.prefill_table import BenchRun
 from afd_tools.prefill.run_report import RunReport
 from afd_tools.prefill.typed_json import ReportError
 from afd_tools.run.job import RunJob
+
+UNFINISHED_LIMIT = 2
+"""Sittings that may start a run that then never finishes (killed at a time limit): one
+might have been a slow machine, two say the run does not fit in a sitting."""
+NOT_FINISHED_EXIT = 124
+"""The exit status a run that never finished is recorded with (``timeout``'s)."""
 
 
 class ResumeError(ValueError):
@@ -44,6 +55,23 @@ def point_key(point: Point) -> str:
     return json.dumps(point.to_json(), sort_keys=True)
 
 
+@dataclasses.dataclass
+class Resumed:
+    """What a benchmark file already holds of a plan."""
+
+    kept: dict[int, BenchRun] = dataclasses.field(default_factory=dict)
+    """Plan index -> the run as it was measured."""
+    warm_up: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The warm-up records."""
+    unfinished: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Plan index -> sittings that started the run and never saw it finish."""
+
+
+def unfinished_json(unfinished: dict[int, int], runs: Sequence[tuple[Point, RunJob]]) -> Any:
+    """``unfinished`` as a benchmark file keeps it: point key -> sittings."""
+    return {point_key(runs[index][0]): count for index, count in sorted(unfinished.items())}
+
+
 def resumed_runs(
     path: Path,
     runs: Sequence[tuple[Point, RunJob]],
@@ -51,12 +79,12 @@ def resumed_runs(
     ttft_slo: float | None,
     run_args: list[str],
     seed: int,
-) -> tuple[dict[int, BenchRun], list[dict[str, Any]]]:
-    """The runs of the plan ``runs`` that ``path`` already holds (plan index -> run) and
-    its warm-up records; nothing when ``path`` does not exist. :class:`ResumeError` when it
-    is not a benchmark file of this plan."""
+) -> Resumed:
+    """The runs of the plan ``runs`` that ``path`` already holds, its warm-up records and
+    the runs started but not finished; nothing when ``path`` does not exist.
+    :class:`ResumeError` when it is not a benchmark file of this plan."""
     if not path.exists():
-        return {}, []
+        return Resumed()
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -106,4 +134,16 @@ def resumed_runs(
         except (KeyError, TypeError, ValueError, ReportError) as exc:
             raise ResumeError(f"--resume: {where}: {exc}") from None
     warm = data.get("warm_up", [])
-    return kept, list(warm) if isinstance(warm, list) else []
+    unfinished: dict[int, int] = {}
+    raw = data.get("unfinished", {})
+    if not isinstance(raw, dict):
+        raise ResumeError(f"--resume: {path}: 'unfinished' is not an object")
+    for key, count in raw.items():
+        index = plan.get(key)
+        if index is None or not isinstance(count, int) or count < 1:
+            raise ResumeError(
+                f"--resume: {path}: unfinished run {key} {count!r} is not in this plan"
+            )
+        if index not in kept:
+            unfinished[index] = count
+    return Resumed(kept, list(warm) if isinstance(warm, list) else [], unfinished)
