@@ -469,10 +469,10 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
     ) -> tuple[list[int], Sequence[int]]:
         """Write every FFN rank's fixed header words of ``handle`` where the dispatch graph
         copies them from; return the sequence numbers they took and the shared-expert rows
-        they announce (one each per FFN rank, in rank order). The
-        first replay of ``entry`` encodes :class:`~afd_protocol.Header` objects and keeps
-        them as a template; later ones fill its per-dispatch words (a layer or stage past
-        int32 takes the encoding path, which refuses it)."""
+        they announce (one each per FFN rank, in rank order). The first replay of
+        ``entry`` encodes :class:`~afd_protocol.Header` objects and keeps them as a
+        template; later ones fill its per-dispatch words (a layer or stage past int32 takes
+        the encoding path, which refuses it)."""
         template = entry.header_words
         if template is None or max(handle.layer, handle.stage) > _INT32_MAX:
             headers = self._packed_headers(handle)

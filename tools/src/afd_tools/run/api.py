@@ -75,12 +75,9 @@ class RunPhases:
         self.start_s += first - launched
         self.modes_s += last - first
         self.stop_s += ended - last
-        marks = [
-            m
-            for replica in values
-            for m in [next((r.start_marks for r in replica.values() if r.start_marks), None)]
-            if m is not None
-        ]
+        # Every mode of a replica carries the same marks: take its first mode's.
+        firsts = (next(iter(replica.values()), None) for replica in values)
+        marks = [r.start_marks for r in firsts if r is not None and r.start_marks is not None]
         if marks:
             self.processes_s += statistics.fmean(entered - launched for entered, _, _ in marks)
             self.models_s += statistics.fmean(built - entered for entered, built, _ in marks)
