@@ -284,6 +284,35 @@ def check_fetch() -> None:
                 assert torch.equal(want, got), (fetch.__name__, tokens, want.dtype)
 
 
+def check_copy_words() -> None:
+    """The graphed dispatch's word copies: int32 and int64, sizes inside one loop step, at
+    its end and past several, against the reference (``copy_``); and the refusals."""
+    import pytest
+
+    from afd_transport_nvshmem.kernel_specs import MAX_COPIED_WORDS, reference_copy_words
+    from afd_transport_nvshmem.word_copy import BLOCK, triton_copy_words
+
+    gen = torch.Generator().manual_seed(9)
+    for dtype in (torch.int32, torch.int64):
+        for n in (1, 3, BLOCK, 2 * BLOCK + 5, MAX_COPIED_WORDS):
+            source = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen).to(dtype)
+            for copy in (triton_copy_words, reference_copy_words):
+                out = torch.full((n + 4,), -7, dtype=dtype)
+                copy(out[:n], source)
+                assert torch.equal(out[:n], source), (copy.__name__, dtype, n)
+                assert (out[n:] == -7).all(), (copy.__name__, dtype, n)  # nothing past n
+    words = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"one dtype and count: got torch.int64 \[8\]"):
+        triton_copy_words(words, torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"got torch.int32 \[4\] into torch.int32 \[8\]"):
+        triton_copy_words(words, torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous words only"):
+        triton_copy_words(words, torch.zeros(16, dtype=torch.int32)[::2])
+    big = torch.zeros(MAX_COPIED_WORDS + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"at most {MAX_COPIED_WORDS} words, got"):
+        triton_copy_words(big, big.clone())
+
+
 def check_put_extents() -> int:
     """The put path's extent kernel (its COPY variant: loads and stores where a GPU puts)
     against reference_put_extents: both wire formats, shared rows, empty messages, counts
@@ -352,7 +381,8 @@ def check_exchange_kernels() -> int:
     """The flag publish, the fetch by address and the put path's extent copy; the case count."""
     check_publish()
     check_fetch()
-    return 2 + check_put_extents()
+    check_copy_words()
+    return 3 + check_put_extents()
 
 
 def check_pack_kernels() -> int:

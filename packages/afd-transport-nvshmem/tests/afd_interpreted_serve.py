@@ -56,6 +56,7 @@ from afd_transport_nvshmem.graphed_ffn import ExpertStep, GraphedFFNServer, Serv
 from afd_transport_nvshmem.input_fetch import triton_fetch_inputs
 from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
 from afd_transport_nvshmem.kernel_specs import REFERENCE_KERNELS
+from afd_transport_nvshmem.word_copy import triton_copy_words
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -194,7 +195,10 @@ def attention_of(world: LoopbackWorld, rank: int, graphs: bool) -> KernelAttenti
         transport,
         FAST,
         dataclasses.replace(
-            REFERENCE_KERNELS, device_plan=triton_plan_on_device, fetch_inputs=triton_fetch_inputs
+            REFERENCE_KERNELS,
+            device_plan=triton_plan_on_device,
+            fetch_inputs=triton_fetch_inputs,
+            copy_words=triton_copy_words,
         ),
         capture=replayed_calls,
         combine_wait=kernel_combine_wait,

@@ -242,3 +242,64 @@ def test_graph_replays_survive_dropped_constants_and_graphs_dropped_in_flight() 
         attention.close()
     for eager, replayed in zip(outputs[False], outputs[True], strict=True):
         assert torch.equal(eager, replayed)
+
+
+def test_word_copies_reach_page_locked_host_memory_both_ways() -> None:
+    """The word-copy kernel between pinned host memory and the device, both directions and
+    both word sizes, equal to the source; pageable host memory is refused by name."""
+    from afd_transport_nvshmem.word_copy import triton_copy_words
+
+    for dtype in (torch.int32, torch.int64):
+        host = torch.arange(-5, 295, dtype=dtype).pin_memory()
+        device = torch.full((300,), 7, dtype=dtype, device="cuda")
+        triton_copy_words(device, host)
+        back = torch.zeros(300, dtype=dtype).pin_memory()
+        triton_copy_words(back, device * 3)
+        torch.cuda.synchronize()
+        assert torch.equal(device.cpu(), host)
+        assert torch.equal(back, host * 3)
+    with pytest.raises(ValueError, match="only when it is page-locked"):
+        triton_copy_words(
+            torch.zeros(4, dtype=torch.int32, device="cuda"), torch.zeros(4, dtype=torch.int32)
+        )
+
+
+def test_graphed_dispatch_moves_its_words_by_kernel_not_by_host_memcpy() -> None:
+    """The dispatch graph's header words, input addresses and id bounds cross PCIe by the
+    word-copy kernel (three nodes), not as memcpy nodes touching host memory, which cost a
+    graph's launch about 5 us of host time each: the graph's only host memcpys are those of
+    the loopback transport's own publish; the combine graph has none."""
+    from afd_transport_nvshmem.graph_census import graph_nodes
+    from afd_transport_nvshmem.graphed_attention import CudaGraphCapture, GraphedAttentionEndpoint
+    from afd_transport_nvshmem.kernels import triton_kernels
+
+    hidden = 64
+    topo = Topology(1, 2, 8)
+    layout = SlotLayout(
+        topo, hidden, 32, 2, dtype="float32", wire_format="per_rank", combine_reduce="ffn"
+    )
+    world = LoopbackWorld(layout.window(ring_depth=1), device="cuda")
+    transport = world.transport(Role.ATTENTION, 0)
+    options = WindowOptions(timeout=5.0)
+    capture = CudaGraphCapture(torch.device("cuda"), keep_graphs=True)
+    attention = GraphedAttentionEndpoint(transport, options, triton_kernels(), 2, capture=capture)
+    ffns = [world.connection(Role.FFN, r).ffn_endpoint(options) for r in range(2)]
+    experts = LinearExperts(1, 8, hidden, seed=3).to("cuda")
+    x, ids, w = random_routing(32, hidden, 2, list(range(8)), torch.Generator(), torch.float32)
+    for _ in range(3):  # eager, captured, replayed
+        handle = attention.dispatch(0, x.cuda(), ids.cuda(), w.cuda())
+        experts.drain(ffns, poll=0.01)
+        out = attention.combine(handle)
+    assert torch.isfinite(out).all()
+    assert len(capture.graphs) == 2, "one dispatch and one combine graph"
+    dispatch, combine = (graph_nodes(g.raw_cuda_graph()) for g in capture.graphs)
+    copies = [n for n in dispatch if n.kind == "kernel" and "_copy_words_kernel" in n.detail]
+    assert len(copies) == 3, dispatch
+    publish = torch.cuda.CUDAGraph(keep_graph=True)
+    block = transport.publish_block([0, 1], layout.window(ring_depth=1).flag_index(0, 0))
+    with torch.cuda.graph(publish):
+        block.launch()
+    expected = sum(n.touches_host for n in graph_nodes(publish.raw_cuda_graph()))
+    assert sum(n.touches_host for n in dispatch) == expected, dispatch
+    assert not any(n.touches_host for n in combine), combine
+    attention.close()

@@ -219,14 +219,19 @@ tensors ``body`` returned at capture)."""
 class CudaGraphCapture:
     """:data:`GraphCapture` with ``torch.cuda.CUDAGraph`` on a side stream of ``device``
     (``thread_local`` capture, each graph its own memory pool; replays on the current
-    stream). No device synchronisation and no garbage collection per capture."""
+    stream). No device synchronisation and no garbage collection per capture.
+    ``keep_graphs``: every graph keeps its ``cudaGraph_t`` and is listed in
+    :attr:`graphs`, so its nodes can be read (:mod:`~afd_transport_nvshmem.graph_census`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, keep_graphs: bool = False) -> None:
         self._device = device
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._keep = keep_graphs
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        """With ``keep_graphs``: every graph captured, in order."""
 
     def __call__(self, body: Callable[[], _T]) -> tuple[Replay, _T]:
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=self._keep)
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._stream), keeping_constants() as kept:
             graph.capture_begin(capture_error_mode="thread_local")
@@ -238,6 +243,9 @@ class CudaGraphCapture:
                     graph.capture_end()
                 raise
             graph.capture_end()
+        if self._keep:
+            graph.instantiate()
+            self.graphs.append(graph)
         return _CapturedGraph(graph, kept).replay, outputs
 
 
@@ -558,14 +566,23 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         fixed_device = self._fixed_words[ring].view(-1)
 
         fetch = self._kernels.fetch_inputs
+        copy = self._kernels.copy_words
+        # Each word copy once before the capture, so a kernel that does them is loaded (a
+        # harmless copy each: the ring is free, and the replay rewrites the bounds).
+        if fetch is not None:
+            assert entry.sources_device is not None
+            assert entry.sources_host is not None
+            copy(entry.sources_device, entry.sources_host)
+        copy(fixed_device, entry.fixed_host)
+        copy(entry.bounds_host, torch.zeros_like(entry.bounds_host, device=self.device))
 
         def body() -> tuple[DevicePlan, torch.Tensor]:
             if fetch is not None:
                 assert entry.sources_device is not None
                 assert entry.sources_host is not None
-                entry.sources_device.copy_(entry.sources_host, non_blocking=True)
+                copy(entry.sources_device, entry.sources_host)
                 fetch(entry.sources_device, [entry.hidden, entry.topk_ids, entry.topk_weights])
-            fixed_device.copy_(entry.fixed_host, non_blocking=True)
+            copy(fixed_device, entry.fixed_host)
             plan = self._kernels.device_plan(
                 entry.topk_ids,
                 self._topology,
@@ -574,7 +591,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 per_partial_order=not self._reduced_replies,
             )
             self._pack_rows(ring, plan, entry.hidden, entry.topk_ids, entry.topk_weights)
-            entry.bounds_host.copy_(plan.expert_bounds, non_blocking=True)
+            copy(entry.bounds_host, plan.expert_bounds)
             entry.publish.launch()
             # What the combine reads, computed while the FFN ranks work.
             wire = plan.token_row_positions if self._reduced_replies else plan.wire_position

@@ -273,6 +273,23 @@ def reference_fetch_inputs(sources: torch.Tensor, destinations: list[torch.Tenso
         ctypes.memmove(destination.data_ptr(), address, size)
 
 
+WordCopy = Callable[[torch.Tensor, torch.Tensor], None]
+"""``copy(destination, source)``: copy a few contiguous words of one dtype (``source`` and
+``destination`` of equal size, at most :data:`MAX_COPIED_WORDS`) between page-locked host
+memory and the device, either way, on the current stream
+(:mod:`afd_transport_nvshmem.word_copy`). Inside a CUDA graph a kernel node costs the
+launch far less host time than a memcpy node touching host memory (about 5 µs each on
+one H200)."""
+
+MAX_COPIED_WORDS = 4096
+"""The most words one :data:`WordCopy` moves (headers' fixed words, addresses, bounds)."""
+
+
+def reference_copy_words(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """:data:`WordCopy` as torch's ``copy_`` (a memcpy; a memcpy node in a CUDA graph)."""
+    destination.copy_(source, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class WindowKernels:
     """The device kernels one kind of hardware offers the window endpoints.
@@ -292,6 +309,9 @@ class WindowKernels:
     fetch_inputs: InputFetch | None = None
     """Copies a graphed dispatch's inputs from their addresses inside the graph (``None``:
     the graphed endpoint copies them with three host launches)."""
+    copy_words: WordCopy = reference_copy_words
+    """Moves a graphed dispatch's few words between page-locked host memory and the device
+    (its header words and input addresses in, the expert-id bounds out)."""
 
 
 REFERENCE_KERNELS = WindowKernels(
