@@ -39,7 +39,15 @@ from typing import Any
 
 import torch
 
-from afd_protocol import AttentionEndpoint, Role, SlotLayout, Topology, plan_on_device
+from afd_protocol import (
+    AttentionEndpoint,
+    CombineReduce,
+    Role,
+    SlotLayout,
+    Topology,
+    WireFormat,
+    plan_on_device,
+)
 from afd_protocol.launch import GPU_START_METHOD, RankSpec, launch
 from afd_protocol.window import WindowConnection, WindowOptions, WindowTransport
 from afd_tools.bench.identity_ffn import serve_identity, serve_identity_graphed
@@ -121,14 +129,16 @@ wait with every flag of a dispatch published by one kernel, and the same over th
 KERNEL_PUBLISH_MODE = WindowOptions(timeout=120.0, device_pack=True)
 """The 'dev pack' endpoint over the kernel-publish transport (the publish kernel serves the
 packed dispatch)."""
-PROFILED_MODES = ("device", "graphs")
+PROFILED_MODES = ("device", "graphs", "ffn-graph", "ffn-graph-rank")
 """The modes ``--profile`` profiles on the attention side (one file each)."""
 GRAPHED_MODES = frozenset(
-    {"graphs", "ffn-graph", "graphs-host-wait", "graphs-torch-plan", "put-graphs"}
+    {"graphs", "ffn-graph", "ffn-graph-rank", "graphs-host-wait", "graphs-torch-plan", "put-graphs"}
 )
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
 of the NVSHMEM connection): 'graphs' in the kernel-publish launch, beside 'kern pub';
-'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too;
+'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too, and
+'ffn-graph-rank' the same over the ``per_rank`` wire format reduced on the FFN side (what
+``afd run`` sends by default: one row per token and FFN rank each way);
 'put-graphs' in the put path's launch, beside 'put'."""
 
 
@@ -628,7 +638,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             kwargs={
                 **specs[0].kwargs,
                 "modes": {"ffn-graph": KERNEL_PUBLISH_MODE},
-                "profile": None,
+                "profile": None if profile is None else str(profile),
             },
         ),
         RankSpec(Role.FFN, 0, serve_identity_graphed),
@@ -636,6 +646,22 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     ffn_graph = _launch(layer, _with(specs, env), "kernel_publish")
     times.update(ffn_graph["attention rank 0"].value)
     report["ffn_graph"] = ffn_graph["ffn rank 0"].value
+    # The same over afd run's default wire format (per_rank, reduced on the FFN side): one
+    # row per token and FFN rank each way instead of one per routed choice.
+    rank_layer = SlotLayout(
+        Topology(1, 1, EXPERTS),
+        HIDDEN,
+        max(tokens),
+        TOPK,
+        dtype="bfloat16",
+        wire_format=WireFormat.PER_RANK,
+        combine_reduce=CombineReduce.FFN,
+    ).window()
+    specs[0] = dataclasses.replace(
+        specs[0], kwargs={**specs[0].kwargs, "modes": {"ffn-graph-rank": KERNEL_PUBLISH_MODE}}
+    )
+    ffn_graph_rank = _launch(rank_layer, _with(specs, env), "kernel_publish")
+    times.update(ffn_graph_rank["attention rank 0"].value)
     report["ffn_reply"] = {
         "host_ms": {str(k): v for k, v in ffn.get("reply_host_ms", {}).items()},
         "gpu_ms": {str(k): v for k, v in ffn.get("reply_gpu_ms", {}).items()},
@@ -756,6 +782,27 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
                 f"{times[key + '/combine_call'] * 1e6:9.1f} "
                 f"{times[key] / times[eager]:22.2f} {'':>19} {_spread(times, key):>17}"
             )
+    print(
+        "\n'ffn graph' over afd run's default wire format (per_rank, reduced on the FFN side: "
+        "one row per token and FFN rank each way; a launch of its own) beside 'ffn graph' "
+        "(per_choice: one row per routed choice each way), median ms; 'floor' = its rows "
+        f"there and back at {floor_gbs:.0f} GB/s; 'link' = the same bytes at "
+        f"{NVLINK_GBS:.0f} GB/s"
+    )
+    print(
+        f"  {'tokens':>6} {'per_choice':>10} {'per_rank_ffn':>12} {'p10-p90':>11} "
+        f"{'dispatch() us':>13} {'combine() us':>12} {'floor':>6} {'link':>6}"
+    )
+    for n in tokens:
+        key = f"ffn-graph-rank/{n}"
+        nbytes = 2 * n * HIDDEN * 2
+        report["layer"][f"floor-per-rank/{n}"] = nbytes / (floor_gbs * 1e9)
+        print(
+            f"  {n:6d} {times[f'ffn-graph/{n}'] * 1e3:10.2f} {times[key] * 1e3:12.2f} "
+            f"{_spread(times, key):>11} {times[key + '/dispatch_call'] * 1e6:13.1f} "
+            f"{times[key + '/combine_call'] * 1e6:12.1f} "
+            f"{nbytes / (floor_gbs * 1e9) * 1e3:6.3f} {nbytes / (NVLINK_GBS * 1e9) * 1e3:6.3f}"
+        )
     graph = report["ffn_graph"]
     print(
         f"\nthe FFN rank's serve loop as one CUDA graph ('ffn graph'): {graph['served']} items "
