@@ -512,6 +512,29 @@ def test_without_step_records_the_long_mix_is_not_predicted(capsys: Any) -> None
     ]
 
 
+FULL_LONG_BUNDLE = CALIBRATIONS / "h200-mps-full-2a1f-long-runs.json.gz"
+
+
+def test_the_quick_runs_predict_the_full_size_long_runs(capsys: Any) -> None:
+    """docs/sim.md's full-size prediction: one fit on the quick runs (v3-slice 2 layers,
+    prompts up to 16K) predicts the full-size 2A1F long runs (4 layers, 16 prompts of
+    8K-32K, three launches) within 15 % on makespan and TTFT p50, async and sync
+    (``afd sim validate --predict``: fitted once, nothing of the predicted runs in it)."""
+    argv = ["sim", "validate", str(CALIBRATIONS / "h200-mps-quick-v3-slice-runs.json.gz")]
+    argv += [str(LONG_BUNDLE), "--cores-grid", "none", "--no-progress"]
+    assert main([*argv, "--predict", str(FULL_LONG_BUNDLE)]) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if "16 req, budget 16384, stages 2" in line]
+    assert [row.split("|")[2].strip() for row in rows] == ["async", "sync"], printed
+    for line in rows:
+        assert "| 3 |" in line, line  # the three launches, as repeats
+        errors = [cell.strip() for cell in line.split("|") if cell.strip().endswith("%")]
+        assert len(errors) == 2, line
+        assert all(abs(int(e.rstrip("%"))) <= 15 for e in errors), line
+    assert main([*argv, "--predict", str(FULL_LONG_BUNDLE), "--hold-out", "workload"]) == 2
+    assert "--predict fits once and predicts the runs it names" in capsys.readouterr().err
+
+
 def test_hold_out_needs_two_groups_and_a_known_kind() -> None:
     from afd_tools.sim.measured import read_runs
     from afd_tools.sim.validate import folds

@@ -424,6 +424,15 @@ def _validate_parser(kinds: Any) -> None:
         "mix by name: can a fit on one mix predict another?)",
     )
     v.add_argument(
+        "--predict",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="RUNS",
+        help="instead of leaving one out: fit once on the positional runs and predict these "
+        "(e.g. full-size runs from a fit on quick ones); --hold-out does not apply",
+    )
+    v.add_argument(
         "--tolerance", type=float, default=0.15, help="relative error counted as a good prediction"
     )
     v.add_argument("--json", type=Path, default=None, help="write every prediction here")
@@ -438,9 +447,14 @@ def run_validate(args: argparse.Namespace) -> int:
         raise SimError(f"--tolerance {args.tolerance}: give a fraction, e.g. 0.15")
     runs = read_runs(list(args.runs))
     fit = _fit_grids(args)
-    groups = validation.folds(runs, args.hold_out)
-    with _bar(len(groups), "folds", args.no_progress) as advance:
-        predictions = validation.leave_one_out(runs, args.hold_out, progress=advance, **fit)
+    if args.predict is not None:
+        if args.hold_out != "pair":
+            raise SimError("--predict fits once and predicts the runs it names: drop --hold-out")
+        predictions = validation.predict_held_out(runs, read_runs(list(args.predict)), **fit)
+    else:
+        groups = validation.folds(runs, args.hold_out)
+        with _bar(len(groups), "folds", args.no_progress) as advance:
+            predictions = validation.leave_one_out(runs, args.hold_out, progress=advance, **fit)
     print(validation.table(predictions))
     for line in validation.gaps(predictions):
         print(line)

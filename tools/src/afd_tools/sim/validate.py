@@ -9,6 +9,9 @@ held-out measurement enters its own fit, so the errors are out-of-sample.
 ``--hold-out workload`` leaves one workload out instead (the prompt mix by name: ``uneven``,
 a workload file's): can a fit on one mix of prompt lengths predict another, e.g. prompts
 twice as long as any it was fitted on, where attention's squared-length term dominates?
+
+``--predict RUNS`` fits once on the runs given and predicts the runs named (no folds): can a
+fit on quick runs predict full-size ones, with more layers and longer prompts?
 """
 
 from __future__ import annotations
