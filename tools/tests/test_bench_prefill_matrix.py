@@ -506,7 +506,7 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    assert len(calls) == 6  # two of the quick size (eager, graph-replayed), four full
+    assert len(calls) == 7  # two of the quick size (eager, graph-replayed), five full
     run_args = ["--run-arg=--device=cuda", "--run-arg=--share-gpus"]
     layouts = set()
     for argv in calls:
