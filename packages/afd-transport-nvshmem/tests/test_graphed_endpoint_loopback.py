@@ -425,9 +425,13 @@ def test_a_late_reply_replays_the_wait_until_the_timeout_and_the_combine_can_be_
     wait = attention._wait
     assert isinstance(wait, PolledCombineWait)
     before = wait.launches
+    spun, began = attention.wait_seconds, time.perf_counter()
     with pytest.raises(PeerTimeout, match=r"FFN ranks \[0, 1, 2\] did not reply to layer 1"):
         attention.combine(handle, timeout=0.02)
+    elapsed = time.perf_counter() - began
     assert wait.launches - before > 1  # the graph's wait ran out and was replayed
+    # The host's spins on the wait are counted, a failed combine's too, and are part of it.
+    assert 0 < attention.wait_seconds - spun < elapsed
     assert attention.in_flight == 1
     experts = linear_experts(world, layers=8)
     experts.drain(ffns)

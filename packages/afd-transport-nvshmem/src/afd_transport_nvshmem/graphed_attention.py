@@ -404,6 +404,9 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         """Host time spent capturing them (and instantiating: what a new count costs)."""
         self.graph_waits = 0
         """Combines whose wait ran inside their graph (the rest waited on the host first)."""
+        self.wait_seconds = 0.0
+        """Host time those combines spent spinning on their wait's status word (the rest of
+        a combine's host time is its own work: the replay, the checks of the replies)."""
         self._wait = None if combine_wait is None else combine_wait(transport)
         if self._wait is not None:
             self._wait.prepare()
@@ -676,6 +679,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
     ) -> int:
         """Spin on the wait's status, checking the peers when due (also when slices end
         faster than the liveness interval)."""
+        began = time.perf_counter()
         try:
             peers.when_due()
             status = wait.status()
@@ -695,6 +699,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 self._wait = None
                 self._graphs.clear()
             raise
+        finally:
+            self.wait_seconds += time.perf_counter() - began
         return status
 
     def _check_bounds(self, entry: _LayerGraphs, ring: int) -> None:

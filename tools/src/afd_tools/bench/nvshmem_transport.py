@@ -333,6 +333,7 @@ def _layer_attention(
                 "/combine_call",
                 "/dispatch_gpu",
                 "/reply_and_combine_gpu",
+                "/combine_wait",
             )
             for name, column in zip(names, columns, strict=True):
                 results[f"{mode}/{n}{name}"] = statistics.median(column)
@@ -373,8 +374,10 @@ def _quantile(values: Any, q: float) -> float:
 def _timed_round(
     endpoint: AttentionEndpoint, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
 ) -> tuple[float, ...]:
-    """(total, dispatch() host, combine() host, dispatch GPU, reply+combine GPU) seconds."""
+    """(total, dispatch() host, combine() host, dispatch GPU, reply+combine GPU, combine()'s
+    host spin on its device wait) seconds; the last is NaN for an endpoint without one."""
     marks = [_event() for _ in range(3)]
+    waited = getattr(endpoint, "wait_seconds", float("nan"))
     start = time.perf_counter()
     marks[0].record()
     handle = endpoint.dispatch(0, x, ids, w)
@@ -383,6 +386,7 @@ def _timed_round(
     out = endpoint.combine(handle)
     marks[2].record()
     combined = time.perf_counter()
+    waited = getattr(endpoint, "wait_seconds", float("nan")) - waited
     torch.cuda.synchronize(x.device)
     total = time.perf_counter() - start
     del out
@@ -392,6 +396,7 @@ def _timed_round(
         combined - issued,
         marks[0].elapsed_time(marks[1]) / 1e3,
         marks[1].elapsed_time(marks[2]) / 1e3,
+        waited,
     )
 
 
@@ -785,13 +790,16 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
     print(
         "\n'ffn graph' over afd run's default wire format (per_rank, reduced on the FFN side: "
         "one row per token and FFN rank each way; a launch of its own) beside 'ffn graph' "
-        "(per_choice: one row per routed choice each way), median ms; 'floor' = its rows "
+        "(per_choice: one row per routed choice each way), median ms; 'of it waiting' = "
+        "combine()'s host time spinning on the device wait (the rest is its own work: the "
+        "replay, the clone, the reply checks); 'floor' = its rows "
         f"there and back at {floor_gbs:.0f} GB/s; 'link' = the same bytes at "
         f"{NVLINK_GBS:.0f} GB/s"
     )
     print(
         f"  {'tokens':>6} {'per_choice':>10} {'per_rank_ffn':>12} {'p10-p90':>11} "
-        f"{'dispatch() us':>13} {'combine() us':>12} {'floor':>6} {'link':>6}"
+        f"{'dispatch() us':>13} {'combine() us':>12} {'of it waiting':>13} {'floor':>6} "
+        f"{'link':>6}"
     )
     for n in tokens:
         key = f"ffn-graph-rank/{n}"
@@ -801,6 +809,7 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"  {n:6d} {times[f'ffn-graph/{n}'] * 1e3:10.2f} {times[key] * 1e3:12.2f} "
             f"{_spread(times, key):>11} {times[key + '/dispatch_call'] * 1e6:13.1f} "
             f"{times[key + '/combine_call'] * 1e6:12.1f} "
+            f"{times[key + '/combine_wait'] * 1e6:13.1f} "
             f"{nbytes / (floor_gbs * 1e9) * 1e3:6.3f} {nbytes / (NVLINK_GBS * 1e9) * 1e3:6.3f}"
         )
     graph = report["ffn_graph"]
