@@ -130,7 +130,9 @@ def main(folder: str) -> int:
     print("\nGPU suite summary")
     for kind, name, outcome in rows:
         print(f"  {kind:10s} {name:{width}s}  {outcome}")
-    print(f"{sum(r[2] == 'pass' for r in rows)} passed, {failed} failed")
+    passed = sum(r[2] == "pass" for r in rows)
+    skipped = sum(r[2] == "skip" for r in rows)
+    print(f"tests: {passed} passed, {skipped} skipped; {failed} failed (tests and checks)")
     return 1 if failed else 0
 
 

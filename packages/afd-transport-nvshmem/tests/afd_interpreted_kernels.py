@@ -80,7 +80,16 @@ def check_pack(
     base, columns = crc_tables(topo.expert_placement, torch.device("cpu"))
     cap = max(1, tokens * topk)
     results = []
-    for pack in (reference_device_pack, triton_device_pack):
+    # Each pack also reads the rows by address (a graph-replayed dispatch's): its hidden is
+    # then NaN, so a row read from there instead would differ.
+    poisoned = torch.full_like(x, float("nan"))
+    address = torch.tensor([x.data_ptr()], dtype=torch.int64)
+    for pack, by_address in (
+        (reference_device_pack, False),
+        (triton_device_pack, False),
+        (reference_device_pack, True),
+        (triton_device_pack, True),
+    ):
         rows = tuple(torch.full((cap, hidden), -3.0, dtype=dtype) for _ in range(ffn))
         index = tuple(torch.full((cap,), -1, dtype=torch.int32) for _ in range(ffn))
         headers = tuple(
@@ -99,7 +108,7 @@ def check_pack(
             )
         pack(
             PackInputs(
-                hidden=x,
+                hidden=poisoned if by_address else x,
                 plan=plan,
                 rank_wire_offsets=topo.expert_placement.rank_wire_offsets,
                 fixed_words=fixed_words,
@@ -109,13 +118,15 @@ def check_pack(
                 crc_base=base,
                 crc_columns=columns,
                 token_row_inputs=token_rows,
+                hidden_address=address if by_address else None,
             )
         )
         extra = () if token_rows is None else (token_rows.route_ids, token_rows.route_weights)
         results.append((rows, index, headers, *extra))
-    for expected, got in zip(*results, strict=True):
-        for a, b in zip(expected, got, strict=True):
-            assert torch.equal(a, b), (topo, tokens, a, b)
+    for other in results[1:]:
+        for expected, got in zip(results[0], other, strict=True):
+            for a, b in zip(expected, got, strict=True):
+                assert torch.equal(a, b), (topo, tokens, a, b)
     host = plan_dispatch(ids, topo, wire_format=wire_format)
     for d, words in enumerate(results[1][2]):
         decoded = decode_header(words)  # the device-computed CRC checks out

@@ -268,7 +268,14 @@ def test_graphed_dispatch_moves_its_words_by_kernel_not_by_host_memcpy() -> None
     """The dispatch graph's header words, input addresses and id bounds cross PCIe by the
     word-copy kernel (three nodes), not as memcpy nodes touching host memory, which cost a
     graph's launch about 5 us of host time each: the graph's only host memcpys are those of
-    the loopback transport's own publish; the combine graph has none."""
+    the loopback transport's own publish (at least one: the census sees them); the combine
+    graph has none. The bounds really come back: a replay with an id past the experts is
+    refused at its combine, naming the id."""
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver
+
+    if not hasattr(driver, "cuFuncGetName"):
+        pytest.skip("kernel names need cuFuncGetName (CUDA >= 12.3)")
     from afd_transport_nvshmem.graph_census import graph_nodes
     from afd_transport_nvshmem.graphed_attention import CudaGraphCapture, GraphedAttentionEndpoint
     from afd_transport_nvshmem.kernels import triton_kernels
@@ -284,13 +291,15 @@ def test_graphed_dispatch_moves_its_words_by_kernel_not_by_host_memcpy() -> None
     capture = CudaGraphCapture(torch.device("cuda"), keep_graphs=True)
     attention = GraphedAttentionEndpoint(transport, options, triton_kernels(), 2, capture=capture)
     ffns = [world.connection(Role.FFN, r).ffn_endpoint(options) for r in range(2)]
-    experts = LinearExperts(1, 8, hidden, seed=3).to("cuda")
+    serving = LinearExperts(1, 8, hidden, seed=3).to("cuda")
     x, ids, w = random_routing(32, hidden, 2, list(range(8)), torch.Generator(), torch.float32)
     for _ in range(3):  # eager, captured, replayed
         handle = attention.dispatch(0, x.cuda(), ids.cuda(), w.cuda())
-        experts.drain(ffns, poll=0.01)
+        serving.drain(ffns, poll=0.01)
         out = attention.combine(handle)
-    assert torch.isfinite(out).all()
+    assert attention.replays == 2
+    want = LinearExperts(1, 8, hidden, seed=3).reference(0, x, ids, w, False)
+    assert relative_error(out.cpu(), want) <= 1e-5
     assert len(capture.graphs) == 2, "one dispatch and one combine graph"
     dispatch, combine = (graph_nodes(g.raw_cuda_graph()) for g in capture.graphs)
     copies = [n for n in dispatch if n.kind == "kernel" and "_copy_words_kernel" in n.detail]
@@ -300,6 +309,14 @@ def test_graphed_dispatch_moves_its_words_by_kernel_not_by_host_memcpy() -> None
     with torch.cuda.graph(publish):
         block.launch()
     expected = sum(n.touches_host for n in graph_nodes(publish.raw_cuda_graph()))
+    assert expected >= 1  # the census does see a host memcpy where there is one
     assert sum(n.touches_host for n in dispatch) == expected, dispatch
     assert not any(n.touches_host for n in combine), combine
+    wrong = ids.clone()
+    wrong[5, 1] = 8  # one past the last expert: clamped on the wire, refused at the combine
+    handle = attention.dispatch(0, x.cuda(), wrong.cuda(), w.cuda())
+    assert attention.replays == 3
+    serving.drain(ffns, poll=0.01)
+    with pytest.raises(InvalidArgument, match=r"topk_ids holds expert id 8, outside \[0, 8\)"):
+        attention.combine(handle)
     attention.close()

@@ -21,7 +21,9 @@ header (:func:`afd_protocol.core.header.crc_columns`). ``_crc_of`` is that XOR f
 tile of words.
 
 Destinations are passed as tables of raw addresses (peer windows are separate mappings
-with no common base), built once per set of views and cached.
+with no common base), built once per set of views and cached. The rows are read from
+``hidden``, or (``hidden_address``: a graph-replayed dispatch) from the address held in a
+device word, where the caller left them, so the graph does not copy them first.
 """
 
 from __future__ import annotations
@@ -39,8 +41,20 @@ COUNT_BLOCK = 128
 
 
 @triton.jit
+def _rows_source(hidden, hidden_at, INDIRECT: tl.constexpr):
+    """Where the rows are read: ``hidden``, or (``INDIRECT``) the address in ``hidden_at``'s
+    first word, rows laid out as ``hidden``'s (a graph-replayed dispatch's caller's rows)."""
+    if INDIRECT:
+        source = tl.load(hidden_at).to(hidden.dtype)
+    else:
+        source = hidden
+    return source
+
+
+@triton.jit
 def _pack_rows_kernel(
     hidden,
+    hidden_at,
     row_token,
     segment_offsets,
     rows_at,
@@ -51,7 +65,9 @@ def _pack_rows_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     FFN_BLOCK: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
+    source = _rows_source(hidden, hidden_at, INDIRECT)
     wire = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = wire < total
     ranks = tl.arange(0, FFN_BLOCK)
@@ -61,7 +77,7 @@ def _pack_rows_kernel(
     token = tl.load(row_token + wire, mask=live, other=0)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     take = live[:, None] & (columns < hidden_size)[None, :]
-    values = tl.load(hidden + token[:, None] * hidden_size + columns[None, :], mask=take)
+    values = tl.load(source + token[:, None] * hidden_size + columns[None, :], mask=take)
     base = tl.load(rows_at + dest, mask=live, other=0).to(tl.pointer_type(values.dtype))
     tl.store(base[:, None] + (row * hidden_size)[:, None] + columns[None, :], values, mask=take)
     if tl.program_id(1) == 0:
@@ -72,6 +88,7 @@ def _pack_rows_kernel(
 @triton.jit
 def _pack_token_rows_kernel(
     hidden,
+    hidden_at,
     token_rows,
     topk_ids,
     topk_weights,
@@ -89,12 +106,14 @@ def _pack_token_rows_kernel(
     TOPK_BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
+    source = _rows_source(hidden, hidden_at, INDIRECT)
     token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = token < num_tokens
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     take = live[:, None] & (columns < hidden_size)[None, :]
-    values = tl.load(hidden + token[:, None] * hidden_size + columns[None, :], mask=take)
+    values = tl.load(source + token[:, None] * hidden_size + columns[None, :], mask=take)
     choices = tl.arange(0, TOPK_BLOCK)
     in_k = live[:, None] & (choices < TOPK)[None, :]
     first_tile = tl.program_id(1) == 0
@@ -183,18 +202,22 @@ def triton_device_pack(inputs: PackInputs) -> None:
     plan = inputs.plan
     hidden = inputs.hidden.contiguous()
     device = hidden.device
+    # The rows at an address (the caller's own, in a graph-replayed dispatch) or in hidden.
+    indirect = inputs.hidden_address is not None
+    hidden_at = inputs.hidden_address if inputs.hidden_address is not None else hidden
     num_ffn = len(inputs.headers)
     total = plan.row_token.numel()
     hidden_size = hidden.shape[1]
     if inputs.token_row_inputs is not None:
         if plan.num_tokens:
-            _pack_token_rows(inputs, inputs.token_row_inputs, hidden)
+            _pack_token_rows(inputs, inputs.token_row_inputs, hidden, hidden_at)
     elif total:
         rows_at = constant_index(tuple(t.data_ptr() for t in inputs.routed_rows), device)
         index_at = constant_index(tuple(t.data_ptr() for t in inputs.route_index), device)
         block = min(BLOCK_H, triton.next_power_of_2(hidden_size))
         _pack_rows_kernel[(triton.cdiv(total, ROWS), triton.cdiv(hidden_size, block))](
             hidden,
+            hidden_at,
             plan.row_token,
             plan.segment_offsets,
             rows_at,
@@ -205,6 +228,7 @@ def triton_device_pack(inputs: PackInputs) -> None:
             ROWS=ROWS,
             BLOCK=block,
             FFN_BLOCK=triton.next_power_of_2(max(1, num_ffn)),
+            INDIRECT=indirect,
         )
     _pack_headers_kernel[(num_ffn,)](
         inputs.fixed_words,
@@ -223,8 +247,12 @@ def triton_device_pack(inputs: PackInputs) -> None:
     )
 
 
-def _pack_token_rows(inputs: PackInputs, extra: TokenRowInputs, hidden: torch.Tensor) -> None:
-    """The ``per_rank`` rows: ``_pack_token_rows_kernel`` over every token."""
+def _pack_token_rows(
+    inputs: PackInputs, extra: TokenRowInputs, hidden: torch.Tensor, hidden_at: torch.Tensor
+) -> None:
+    """The ``per_rank`` rows: ``_pack_token_rows_kernel`` over every token (read from
+    ``hidden``, or from the address in ``hidden_at`` when it is the pack's
+    ``hidden_address``)."""
     plan = inputs.plan
     assert plan.token_rows is not None
     device = hidden.device
@@ -237,6 +265,7 @@ def _pack_token_rows(inputs: PackInputs, extra: TokenRowInputs, hidden: torch.Te
     block = min(BLOCK_H, triton.next_power_of_2(hidden_size))
     _pack_token_rows_kernel[(triton.cdiv(num_tokens, ROWS), triton.cdiv(hidden_size, block))](
         hidden,
+        hidden_at,
         plan.token_rows.contiguous(),
         extra.topk_ids.contiguous(),
         extra.topk_weights.contiguous(),
@@ -254,4 +283,5 @@ def _pack_token_rows(inputs: PackInputs, extra: TokenRowInputs, hidden: torch.Te
         TOPK_BLOCK=triton.next_power_of_2(topk),
         ROWS=ROWS,
         BLOCK=block,
+        INDIRECT=inputs.hidden_address is not None,
     )

@@ -65,6 +65,7 @@ from afd_protocol import (
     Header,
     PeerAborted,
     PeerTimeout,
+    SharedPlacement,
     WireOrder,
     Word,
     check_expert_bounds,
@@ -570,21 +571,32 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
         fetch = self._kernels.fetch_inputs
         copy = self._kernels.copy_words
+        # The pack reads the caller's rows where they are (the fetch copies only the ids and
+        # weights) unless shared rows go to the FFN ranks: those are copied from the graph's
+        # own buffer, which then needs them.
+        rows_in_place = fetch is not None and slot.shared_placement is SharedPlacement.ATTENTION
         # Each word copy once before the capture, so a kernel that does them is loaded (a
         # harmless copy each: the ring is free, and the replay rewrites the bounds).
-        if fetch is not None:
-            assert entry.sources_device is not None
-            assert entry.sources_host is not None
-            copy(entry.sources_device, entry.sources_host)
-        copy(fixed_device, entry.fixed_host)
-        copy(entry.bounds_host, torch.zeros_like(entry.bounds_host, device=self.device))
+        try:
+            if fetch is not None:
+                assert entry.sources_device is not None
+                assert entry.sources_host is not None
+                copy(entry.sources_device, entry.sources_host)
+            copy(fixed_device, entry.fixed_host)
+            copy(entry.bounds_host, torch.zeros_like(entry.bounds_host, device=self.device))
+        except Exception as exc:
+            raise AFDError(
+                f"preparing the dispatch graph of {entry.hidden.shape[0]} tokens (ring "
+                f"{ring}) failed: {exc}; use the eager kernel endpoint (no graphs)"
+            ) from exc
 
         def body() -> tuple[DevicePlan, torch.Tensor]:
             if fetch is not None:
                 assert entry.sources_device is not None
                 assert entry.sources_host is not None
                 copy(entry.sources_device, entry.sources_host)
-                fetch(entry.sources_device, [entry.hidden, entry.topk_ids, entry.topk_weights])
+                rows = entry.hidden[:0] if rows_in_place else entry.hidden
+                fetch(entry.sources_device, [rows, entry.topk_ids, entry.topk_weights])
             copy(fixed_device, entry.fixed_host)
             plan = self._kernels.device_plan(
                 entry.topk_ids,
@@ -593,7 +605,13 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 slot.wire_format,
                 per_partial_order=not self._reduced_replies,
             )
-            self._pack_rows(ring, plan, entry.hidden, entry.topk_ids, entry.topk_weights)
+            hidden_address = None
+            if rows_in_place:
+                assert entry.sources_device is not None
+                hidden_address = entry.sources_device[:1]
+            self._pack_rows(
+                ring, plan, entry.hidden, entry.topk_ids, entry.topk_weights, hidden_address
+            )
             copy(entry.bounds_host, plan.expert_bounds)
             entry.publish.launch()
             # What the combine reads, computed while the FFN ranks work.

@@ -8,7 +8,10 @@ A CUDA graph reads its inputs at fixed addresses, so each replayed dispatch used
 with three host launches copying the layer's hidden states, expert ids and weights into
 the graph's buffers (about 13 µs of host time each on one H200). Instead the host writes
 the three source addresses into page-locked memory; the graph copies them to the device
-(one memcpy node) and ``_fetch_kernel`` copies the bytes (one kernel node). Sources must
+(a word-copy kernel) and ``_fetch_kernel`` copies the bytes (one kernel node); where no
+shared rows go to the FFN ranks, only the ids and weights (a zero-size destination skips a
+source), and the device pack reads the rows where the caller left them
+(:attr:`~afd_transport_nvshmem.kernel_specs.PackInputs.hidden_address`). Sources must
 be contiguous and stay alive until the replay ran; the endpoint guarantees both (it copies
 a non-contiguous input into the graph's own buffer, and holds every fetched tensor until
 the graph's next dispatch, after its ring was combined).

@@ -205,11 +205,15 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
         hidden_states: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
+        hidden_address: torch.Tensor | None = None,
     ) -> None:
         """Enqueue the writes of a packed dispatch into ring ``ring`` of every FFN rank: shared
         rows, then the device pack (rows, route index, headers from ``_fixed_words[ring]``).
         ``hidden_states`` ``[T, H]``, ``topk_ids`` and ``topk_weights`` ``[T, k]``, all on
-        this rank's device; no host read (a CUDA graph can hold it)."""
+        this rank's device; no host read (a CUDA graph can hold it). ``hidden_address``
+        (int64 ``[1]`` on the device): the pack reads the routed rows from that address
+        instead of ``hidden_states`` (:attr:`~.kernel_specs.PackInputs.hidden_address`;
+        shared rows still come from ``hidden_states``)."""
         assert self._pack is not None
         ffn_ranks = range(self._topology.num_ffn_ranks)
         for dest in ffn_ranks:
@@ -237,6 +241,7 @@ class KernelAttentionEndpoint(WindowAttentionEndpoint):
                 crc_base=self._crc_base,
                 crc_columns=self._crc_columns,
                 token_row_inputs=token_rows,
+                hidden_address=hidden_address,
             )
         )
 

@@ -158,6 +158,11 @@ class PackInputs:
     token_row_inputs: TokenRowInputs | None = None
     """``per_rank``: the pack writes token rows (the plan has ``token_rows``) instead of
     one row per partial."""
+    hidden_address: torch.Tensor | None = None
+    """int64 ``[1]`` on the device, or ``None``: the address of rows laid out as
+    :attr:`hidden` (its shape, dtype and density), which the pack reads instead of
+    :attr:`hidden` -- a graph-replayed dispatch's rows where its caller left them, so the
+    graph copies only the ids and weights into its own buffers."""
 
     @property
     def row_offsets(self) -> torch.Tensor:
@@ -209,9 +214,28 @@ def crc_tables(
     return base_tensor, columns_tensor.view(len(lengths), width, 32)
 
 
+def _rows_read(inputs: PackInputs) -> torch.Tensor:
+    """The rows the pack reads: :attr:`PackInputs.hidden`, or a view of the memory at
+    :attr:`PackInputs.hidden_address` with its shape and dtype (read back to the host: a
+    specification may)."""
+    hidden = inputs.hidden
+    if inputs.hidden_address is None or hidden.numel() == 0:
+        return hidden
+    address = int(inputs.hidden_address[0].item())
+    nbytes = hidden.numel() * hidden.element_size()
+    if hidden.device.type == "cpu":
+        raw = torch.frombuffer((ctypes.c_byte * nbytes).from_address(address), dtype=torch.uint8)
+    else:
+        from afd_transport_nvshmem.cuda_memory import device_bytes
+
+        raw = device_bytes(address, nbytes, hidden.device)
+    return raw.view(hidden.dtype).view(hidden.shape)
+
+
 def reference_device_pack(inputs: PackInputs) -> None:
     """The device pack written with torch ops (see the module docstring)."""
     plan = inputs.plan
+    source = _rows_read(inputs)
     segments = plan.segment_offsets
     wire = torch.arange(plan.row_token.numel(), device=segments.device)
     dest_of = torch.bucketize(wire, segments[1:-1], right=True)
@@ -224,7 +248,7 @@ def reference_device_pack(inputs: PackInputs) -> None:
             rows, tokens = row_of[mine], plan.row_token[mine]
         else:
             rows, tokens = _reference_token_rows(inputs, inputs.token_row_inputs, dest)
-        inputs.routed_rows[dest][rows] = inputs.hidden[tokens]
+        inputs.routed_rows[dest][rows] = source[tokens]
         inputs.route_index[dest][rows] = tokens.to(torch.int32)
         counts = plan.expert_counts[offsets[dest] : offsets[dest + 1]]
         words = torch.cat([inputs.fixed_words[dest].long(), counts])

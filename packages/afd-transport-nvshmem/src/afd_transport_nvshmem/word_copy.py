@@ -43,6 +43,10 @@ def _pointer(t: torch.Tensor, device: torch.device) -> torch.Tensor | HostPointe
     it is page-locked host memory and the kernel runs on a GPU."""
     if t.device == device or device.type == "cpu":
         return t
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"copy_words copies between host memory and one device: got {t.device} and {device}"
+        )
     if not t.is_pinned():
         raise ValueError(
             "copy_words reaches host memory only when it is page-locked (pin_memory=True): a "
@@ -68,6 +72,11 @@ def triton_copy_words(destination: torch.Tensor, source: torch.Tensor) -> None:
             f"copy_ for bulk data"
         )
     device = destination.device if destination.device.type == "cuda" else source.device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        raise ValueError(
+            f"copy_words launches on the current device, cuda:{torch.cuda.current_device()}, "
+            f"but its device memory is on {device}: make that device current"
+        )
     _copy_words_kernel[(1,)](
         _pointer(source, device), _pointer(destination, device), source.numel(), BLOCK=BLOCK
     )

@@ -450,7 +450,14 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.predict is not None:
         if args.hold_out != "pair":
             raise SimError("--predict fits once and predicts the runs it names: drop --hold-out")
-        predictions = validation.predict_held_out(runs, read_runs(list(args.predict)), **fit)
+        targets = read_runs(list(args.predict))
+        both = [t.source for t in targets if any(t.same_measurement(r) for r in runs)]
+        if both:
+            raise SimError(
+                f"--predict: {', '.join(both)} {'is' if len(both) == 1 else 'are'} also among "
+                f"the runs fitted on, so the prediction would be in-sample; name each run once"
+            )
+        predictions = validation.predict_held_out(runs, targets, **fit)
     else:
         groups = validation.folds(runs, args.hold_out)
         with _bar(len(groups), "folds", args.no_progress) as advance:

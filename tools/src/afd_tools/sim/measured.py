@@ -40,6 +40,15 @@ class MeasuredRun:
     """Each AFD rank's CUDA MPS share in percent, by rank name (empty: no GPU was shared
     under MPS, or a report from before it was recorded)."""
 
+    def same_measurement(self, other: MeasuredRun) -> bool:
+        """Whether ``other`` is this run's report again (read from another file or bundle):
+        the same deployment, requests and measured modes, whatever its source."""
+        return (self.deployment, self.requests, self.modes) == (
+            other.deployment,
+            other.requests,
+            other.modes,
+        )
+
     @property
     def split(self) -> str:
         """The ranks' SM split: ``attention 25 %, ffn 50 %`` (a role's ranks alike), every
