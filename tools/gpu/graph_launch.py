@@ -36,8 +36,8 @@ import torch
 from loopback_formats import LoopbackLayer, identity
 
 from afd_tools.bench.stats import median_seconds
-from afd_transport_nvshmem import graphed_attention
 from afd_transport_nvshmem.graph_census import graph_nodes
+from afd_transport_nvshmem.graphed_attention import CudaGraphCapture
 
 FORMATS_MEASURED = ("per_choice", "per_rank_ffn")
 
@@ -53,36 +53,30 @@ def _census(raw_graph: int) -> str:
     return f"{len(nodes)} nodes: " + "; ".join(parts)
 
 
-class _Recorder:
-    """Makes every ``torch.cuda.CUDAGraph`` the endpoint captures keep its ``cudaGraph_t``
-    and times each replay on the host."""
+class _TimedCapture:
+    """The endpoint's own capture (:class:`CudaGraphCapture` keeping each ``cudaGraph_t``,
+    so its nodes can be read) with every replay's host time recorded, per graph in capture
+    order (:attr:`graphs` and :attr:`replay_us` line up)."""
 
-    def __init__(self) -> None:
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.replay_us: dict[int, list[float]] = collections.defaultdict(list)
-        self._plain = torch.cuda.CUDAGraph
-        self._replay = graphed_attention._CapturedGraph.replay
+    def __init__(self, device: torch.device) -> None:
+        self._capture = CudaGraphCapture(device, keep_graphs=True)
+        self.replay_us: list[list[float]] = []
 
-    def __enter__(self) -> _Recorder:
-        plain, graphs, replay_us = self._plain, self.graphs, self.replay_us
+    @property
+    def graphs(self) -> list[torch.cuda.CUDAGraph]:
+        return self._capture.graphs
 
-        def kept(keep_graph: bool = False) -> torch.cuda.CUDAGraph:
-            graph = plain(keep_graph=True)
-            graphs.append(graph)
-            return graph
+    def __call__(self, body: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        replay, outputs = self._capture(body)
+        spent: list[float] = []
+        self.replay_us.append(spent)
 
-        def timed(captured: Any) -> None:
+        def timed() -> None:
             began = time.perf_counter()
-            captured._graph.replay()
-            replay_us[id(captured._graph)].append((time.perf_counter() - began) * 1e6)
+            replay()
+            spent.append((time.perf_counter() - began) * 1e6)
 
-        torch.cuda.CUDAGraph = kept  # type: ignore[misc,assignment]
-        graphed_attention._CapturedGraph.replay = timed  # type: ignore[method-assign,assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.CUDAGraph = self._plain  # type: ignore[misc]
-        graphed_attention._CapturedGraph.replay = self._replay  # type: ignore[method-assign]
+        return timed, outputs
 
 
 def endpoint_table(tokens: int, rounds: int) -> None:
@@ -91,36 +85,35 @@ def endpoint_table(tokens: int, rounds: int) -> None:
         f"host us per call (median of {rounds}) and each graph's nodes"
     )
     for name in FORMATS_MEASURED:
-        with _Recorder() as recorder:
-            case = LoopbackLayer.make(name, tokens, True, graphed=True)
-            dispatch_us, combine_us = [], []
-            for i in range(rounds + 5):
-                torch.cuda.synchronize()
-                began = time.perf_counter()
-                handle = case.attention.dispatch(0, case.x, case.ids, case.w)
-                issued = time.perf_counter()
-                item = case.ffn.next_work_item()
-                case.ffn.reply(item, identity(item))
-                replied = time.perf_counter()
-                case.attention.combine(handle)
-                done = time.perf_counter()
-                if i >= 5:
-                    dispatch_us.append((issued - began) * 1e6)
-                    combine_us.append((done - replied) * 1e6)
+        recorder = _TimedCapture(torch.device("cuda", 0))
+        case = LoopbackLayer.make(name, tokens, True, graphed=True, capture=recorder)
+        dispatch_us, combine_us = [], []
+        for i in range(rounds + 5):
             torch.cuda.synchronize()
-            print(
-                f"  {name}: dispatch() {statistics.median(dispatch_us):.1f} us, combine() "
-                f"{statistics.median(combine_us):.1f} us (the loopback FFN replied before it)"
-            )
-            for graph in recorder.graphs:
-                times = recorder.replay_us.get(id(graph), [])
-                launch = f"launch {statistics.median(times):.1f} us" if times else "no replay"
-                try:
-                    census = _census(graph.raw_cuda_graph())
-                except Exception as exc:  # the census is a diagnosis: report, go on
-                    census = f"census failed: {exc}"
-                print(f"    graph: {launch} ({len(times)} replays); {census}")
-            case.close()
+            began = time.perf_counter()
+            handle = case.attention.dispatch(0, case.x, case.ids, case.w)
+            issued = time.perf_counter()
+            item = case.ffn.next_work_item()
+            case.ffn.reply(item, identity(item))
+            replied = time.perf_counter()
+            case.attention.combine(handle)
+            done = time.perf_counter()
+            if i >= 5:
+                dispatch_us.append((issued - began) * 1e6)
+                combine_us.append((done - replied) * 1e6)
+        torch.cuda.synchronize()
+        print(
+            f"  {name}: dispatch() {statistics.median(dispatch_us):.1f} us, combine() "
+            f"{statistics.median(combine_us):.1f} us (the loopback FFN replied before it)"
+        )
+        for graph, times in zip(recorder.graphs, recorder.replay_us, strict=True):
+            launch = f"launch {statistics.median(times):.1f} us" if times else "no replay"
+            try:
+                census = _census(graph.raw_cuda_graph())
+            except Exception as exc:  # the census is a diagnosis: report, go on
+                census = f"census failed: {exc}"
+            print(f"    graph: {launch} ({len(times)} replays); {census}")
+        case.close()
 
 
 def synthetic_table() -> None:

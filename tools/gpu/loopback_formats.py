@@ -39,7 +39,7 @@ import torch
 from afd_protocol import DispatchHandle, Role, SlotLayout, Topology, WorkItem, plan_dispatch
 from afd_protocol.window import LoopbackWorld, WindowFFNEndpoint, WindowOptions
 from afd_tools.bench.shm_transport import FORMATS, layer_bytes
-from afd_transport_nvshmem.graphed_attention import GraphedAttentionEndpoint
+from afd_transport_nvshmem.graphed_attention import GraphCapture, GraphedAttentionEndpoint
 from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint
 from afd_transport_nvshmem.kernels import triton_kernels
 
@@ -107,10 +107,12 @@ class LoopbackLayer:
         device_pack: bool,
         reduce_kernel: bool = True,
         graphed: bool = False,
+        capture: GraphCapture | None = None,
     ) -> LoopbackLayer:
         """``graphed``: the attention endpoint replays its exchange from CUDA graphs
         (:class:`~afd_transport_nvshmem.graphed_attention.GraphedAttentionEndpoint`; the
-        first dispatch of a token count runs eagerly, the second captures)."""
+        first dispatch of a token count runs eagerly, the second captures), made by
+        ``capture`` where given."""
         wire, reduce = FORMATS[name]
         topo = Topology(1, 1, EXPERTS)
         layout = SlotLayout(
@@ -118,11 +120,12 @@ class LoopbackLayer:
         )
         world = LoopbackWorld(layout.window(), device="cuda")
         kernels = triton_kernels()
-        endpoint = GraphedAttentionEndpoint if graphed else KernelAttentionEndpoint
-        attention = endpoint(
-            world.transport(Role.ATTENTION, 0),
-            WindowOptions(timeout=30.0, device_pack=device_pack),
-            kernels,
+        transport = world.transport(Role.ATTENTION, 0)
+        options = WindowOptions(timeout=30.0, device_pack=device_pack)
+        attention = (
+            GraphedAttentionEndpoint(transport, options, kernels, capture=capture)
+            if graphed
+            else KernelAttentionEndpoint(transport, options, kernels)
         )
         ffn = WindowFFNEndpoint(
             world.transport(Role.FFN, 0),

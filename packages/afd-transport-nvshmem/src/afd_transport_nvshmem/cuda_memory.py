@@ -49,7 +49,9 @@ def stream_memops_available() -> bool:
     return _driver is not None
 
 
-def _check(result: Any, what: str) -> None:
+def check_result(result: Any, what: str) -> None:
+    """Raise unless ``result`` (a ``CUresult``, or a call's result tuple led by one) is
+    success."""
     err = result[0] if isinstance(result, tuple) else result
     if int(err) != 0:
         raise RuntimeError(f"{what} failed: CUresult {int(err)}")
@@ -64,7 +66,7 @@ def stream_write_value32(address: int, value: int, stream: torch.cuda.Stream) ->
         value & 0xFFFFFFFF,
         _driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
     )
-    _check(result, "cuStreamWriteValue32")
+    check_result(result, "cuStreamWriteValue32")
 
 
 def stream_wait_value32_geq(address: int, value: int, stream: torch.cuda.Stream) -> None:
@@ -76,4 +78,4 @@ def stream_wait_value32_geq(address: int, value: int, stream: torch.cuda.Stream)
         value & 0xFFFFFFFF,
         _driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
     )
-    _check(result, "cuStreamWaitValue32")
+    check_result(result, "cuStreamWaitValue32")

@@ -203,14 +203,14 @@ def triton_device_pack(inputs: PackInputs) -> None:
     hidden = inputs.hidden.contiguous()
     device = hidden.device
     # The rows at an address (the caller's own, in a graph-replayed dispatch) or in hidden.
-    indirect = inputs.hidden_address is not None
-    hidden_at = inputs.hidden_address if inputs.hidden_address is not None else hidden
+    hidden_at = hidden if inputs.hidden_address is None else inputs.hidden_address
+    indirect = hidden_at is not hidden
     num_ffn = len(inputs.headers)
     total = plan.row_token.numel()
     hidden_size = hidden.shape[1]
     if inputs.token_row_inputs is not None:
         if plan.num_tokens:
-            _pack_token_rows(inputs, inputs.token_row_inputs, hidden, hidden_at)
+            _pack_token_rows(inputs, inputs.token_row_inputs, hidden, hidden_at, indirect)
     elif total:
         rows_at = constant_index(tuple(t.data_ptr() for t in inputs.routed_rows), device)
         index_at = constant_index(tuple(t.data_ptr() for t in inputs.route_index), device)
@@ -248,11 +248,14 @@ def triton_device_pack(inputs: PackInputs) -> None:
 
 
 def _pack_token_rows(
-    inputs: PackInputs, extra: TokenRowInputs, hidden: torch.Tensor, hidden_at: torch.Tensor
+    inputs: PackInputs,
+    extra: TokenRowInputs,
+    hidden: torch.Tensor,
+    hidden_at: torch.Tensor,
+    indirect: bool,
 ) -> None:
     """The ``per_rank`` rows: ``_pack_token_rows_kernel`` over every token (read from
-    ``hidden``, or from the address in ``hidden_at`` when it is the pack's
-    ``hidden_address``)."""
+    ``hidden``, or with ``indirect`` from the address in ``hidden_at``)."""
     plan = inputs.plan
     assert plan.token_rows is not None
     device = hidden.device
@@ -283,5 +286,5 @@ def _pack_token_rows(
         TOPK_BLOCK=triton.next_power_of_2(topk),
         ROWS=ROWS,
         BLOCK=block,
-        INDIRECT=inputs.hidden_address is not None,
+        INDIRECT=indirect,
     )

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from afd_transport_nvshmem.cuda_memory import check_result
+
 
 @dataclass(frozen=True)
 class GraphNode:
@@ -45,13 +47,13 @@ def graph_nodes(raw_graph: int) -> list[GraphNode]:
 
     graph = cu.CUgraph(raw_graph)
     err, _, count = cu.cuGraphGetNodes(graph, 0)
-    _check(err, "cuGraphGetNodes")
+    check_result(err, "cuGraphGetNodes")
     err, nodes, count = cu.cuGraphGetNodes(graph, count)
-    _check(err, "cuGraphGetNodes")
+    check_result(err, "cuGraphGetNodes")
     found = []
     for node in nodes[:count]:
         err, kind = cu.cuGraphNodeGetType(node)
-        _check(err, "cuGraphNodeGetType")
+        check_result(err, "cuGraphNodeGetType")
         name = _name(kind, "CU_GRAPH_NODE_TYPE_")
         detail = ""
         if name == "kernel":
@@ -64,14 +66,9 @@ def graph_nodes(raw_graph: int) -> list[GraphNode]:
                     detail = raw.decode() if isinstance(raw, bytes) else str(raw)
         elif name == "memcpy":
             err, copy = cu.cuGraphMemcpyNodeGetParams(node)
-            _check(err, "cuGraphMemcpyNodeGetParams")
+            check_result(err, "cuGraphMemcpyNodeGetParams")
             source = _name(copy.srcMemoryType, "CU_MEMORYTYPE_")
             destination = _name(copy.dstMemoryType, "CU_MEMORYTYPE_")
             detail = f"{source} -> {destination}, {copy.WidthInBytes} B"
         found.append(GraphNode(name, detail))
     return found
-
-
-def _check(err: Any, what: str) -> None:
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: CUresult {int(err)}")

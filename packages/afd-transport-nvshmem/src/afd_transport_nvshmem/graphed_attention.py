@@ -571,17 +571,17 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
         fetch = self._kernels.fetch_inputs
         copy = self._kernels.copy_words
+        sources, sources_host = entry.sources_device, entry.sources_host  # with a fetch
         # The pack reads the caller's rows where they are (the fetch copies only the ids and
         # weights) unless shared rows go to the FFN ranks: those are copied from the graph's
         # own buffer, which then needs them.
         rows_in_place = fetch is not None and slot.shared_placement is SharedPlacement.ATTENTION
+        hidden_address = sources[:1] if rows_in_place and sources is not None else None
         # Each word copy once before the capture, so a kernel that does them is loaded (a
         # harmless copy each: the ring is free, and the replay rewrites the bounds).
         try:
-            if fetch is not None:
-                assert entry.sources_device is not None
-                assert entry.sources_host is not None
-                copy(entry.sources_device, entry.sources_host)
+            if sources is not None and sources_host is not None:
+                copy(sources, sources_host)
             copy(fixed_device, entry.fixed_host)
             copy(entry.bounds_host, torch.zeros_like(entry.bounds_host, device=self.device))
         except Exception as exc:
@@ -592,11 +592,11 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
         def body() -> tuple[DevicePlan, torch.Tensor]:
             if fetch is not None:
-                assert entry.sources_device is not None
-                assert entry.sources_host is not None
-                copy(entry.sources_device, entry.sources_host)
+                assert sources is not None
+                assert sources_host is not None
+                copy(sources, sources_host)
                 rows = entry.hidden[:0] if rows_in_place else entry.hidden
-                fetch(entry.sources_device, [rows, entry.topk_ids, entry.topk_weights])
+                fetch(sources, [rows, entry.topk_ids, entry.topk_weights])
             copy(fixed_device, entry.fixed_host)
             plan = self._kernels.device_plan(
                 entry.topk_ids,
@@ -605,10 +605,6 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 slot.wire_format,
                 per_partial_order=not self._reduced_replies,
             )
-            hidden_address = None
-            if rows_in_place:
-                assert entry.sources_device is not None
-                hidden_address = entry.sources_device[:1]
             self._pack_rows(
                 ring, plan, entry.hidden, entry.topk_ids, entry.topk_weights, hidden_address
             )
