@@ -556,3 +556,43 @@ def test_a_wait_block_ends_at_the_first_change_or_when_all_changed(all_flags: bo
     block.write([window.flag_index(0, 0)], [0], [0, 1], 3)
     block.launch()
     assert block.status() == 3
+
+
+def test_a_cancelled_wait_block_says_so_and_the_next_write_clears_it() -> None:
+    """A wait whose cancel word is set ends with STATUS_CANCELLED (the host's way to end a
+    wait that would otherwise run to its deadline); the next write clears the word, and a
+    deadline outside what the request holds is refused before anything is written."""
+    from afd_transport_nvshmem.device_wait import (
+        MAX_DEADLINE_US,
+        STATUS_CANCELLED,
+        STATUS_CHANGED,
+        WaitBlock,
+        header_offsets,
+    )
+
+    layout = layout_of("per_choice", "attention", a=1, f=2)
+    world = LoopbackWorld(layout.window(ring_depth=1))
+    local = world.windows[(Role.ATTENTION, 0)]
+    window = world.window
+    block = WaitBlock(
+        flag_words(local, window),
+        abort_words(local, window),
+        local.view(torch.int32),
+        header_offsets(window, torch.device("cpu")),
+        window.slot.header_words,
+        max_peers=2,
+    )
+    watched = [window.flag_index(0, 0), window.flag_index(1, 0)]
+    block.write(watched, [0, 0], [0, 1], 10_000, deadline_us=1_000_000)
+    block.cancel()
+    block.launch()  # nothing arrives: only the cancel word can end it before 10,000 polls
+    assert block.status() == STATUS_CANCELLED
+    flag_words(local, window)[watched[0]] = 3
+    flag_words(local, window)[watched[1]] = 4
+    block.write(watched, [0, 0], [0, 1], 10_000, deadline_us=1_000_000)
+    block.launch()
+    assert block.status() == STATUS_CHANGED
+    assert block.values(2) == [3, 4]
+    with pytest.raises(ValueError, match="deadline"):
+        block.write(watched, [3, 4], [0, 1], 1, deadline_us=MAX_DEADLINE_US + 1)
+    assert block.status() == STATUS_CHANGED  # the refused write changed nothing

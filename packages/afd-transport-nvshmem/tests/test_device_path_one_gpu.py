@@ -121,7 +121,11 @@ def test_per_rank_rows_through_the_kernel_endpoints_on_one_gpu(
 
 
 def _graphed_or_eager(
-    layout: SlotLayout, graphed: bool, max_token_counts: int
+    layout: SlotLayout,
+    graphed: bool,
+    max_token_counts: int,
+    defer_checks: bool = False,
+    timeout: float = 1.0,
 ) -> tuple[KernelAttentionEndpoint, list[WindowFFNEndpoint]]:
     """A loopback world in CUDA memory: its attention endpoint (graph-replayed or eager,
     with the Triton kernels) and its FFN endpoints."""
@@ -130,9 +134,11 @@ def _graphed_or_eager(
 
     world = LoopbackWorld(layout.window(ring_depth=2), device="cuda")
     transport = world.transport(Role.ATTENTION, 0)
-    options = WindowOptions(timeout=1.0)
+    options = WindowOptions(timeout=timeout)
     attention = (
-        GraphedAttentionEndpoint(transport, options, triton_kernels(), max_token_counts)
+        GraphedAttentionEndpoint(
+            transport, options, triton_kernels(), max_token_counts, defer_checks=defer_checks
+        )
         if graphed
         else KernelAttentionEndpoint(transport, options, triton_kernels())
     )
@@ -143,11 +149,15 @@ def _graphed_or_eager(
     return attention, ffns
 
 
+@pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize(("wire", "reduce"), [("per_choice", "attention"), ("per_rank", "ffn")])
-def test_graph_replayed_exchange_equals_the_eager_one_bitwise(wire: str, reduce: str) -> None:
+def test_graph_replayed_exchange_equals_the_eager_one_bitwise(
+    wire: str, reduce: str, defer: bool
+) -> None:
     """Real CUDA graphs and the Triton kernels: twenty layers at two token counts on two
     rings, graph-replayed and eager, give bitwise-equal float32 outputs, matching the
-    reference; the host time of a replayed dispatch + combine is reported beside eager."""
+    reference; the host time of a replayed dispatch + combine is reported beside eager.
+    ``defer``: the replayed combines are checked later (``defer_checks``, flush())."""
     import time
 
     from afd_transport_nvshmem.graphed_attention import GraphedAttentionEndpoint
@@ -167,7 +177,7 @@ def test_graph_replayed_exchange_equals_the_eager_one_bitwise(wire: str, reduce:
     outputs: dict[bool, list[torch.Tensor]] = {}
     host: dict[bool, list[float]] = {}
     for graphed in (False, True):
-        attention, ffns = _graphed_or_eager(layout, graphed, 2)
+        attention, ffns = _graphed_or_eager(layout, graphed, 2, defer_checks=defer)
         serving = LinearExperts(layers, 16, hidden, seed=5).to("cuda")
         outputs[graphed], host[graphed] = [], []
         for first in range(0, len(jobs), 2):
@@ -186,6 +196,9 @@ def test_graph_replayed_exchange_equals_the_eager_one_bitwise(wire: str, reduce:
         if graphed:
             assert isinstance(attention, GraphedAttentionEndpoint)
             assert attention.replays == len(jobs) - 4  # 2 counts x 2 rings eager
+            assert attention.unchecked == (2 if defer else 0)  # each ring's last combine
+            attention.flush()
+            assert attention.unchecked == 0
         attention.close()
     for (layer, x, ids, w), eager, replayed in zip(
         jobs, outputs[False], outputs[True], strict=True
@@ -320,3 +333,61 @@ def test_graphed_dispatch_moves_its_words_by_kernel_not_by_host_memcpy() -> None
     with pytest.raises(InvalidArgument, match=r"topk_ids holds expert id 8, outside \[0, 8\)"):
         attention.combine(handle)
     attention.close()
+
+
+def _deferred_unanswered(timeout: float) -> tuple[KernelAttentionEndpoint, float]:
+    """A deferred graphed endpoint (1A2F, per_rank) whose fifth dispatch replays its graphs
+    and whose combine is enqueued while the FFN ranks never serve it; (the endpoint, the
+    perf_counter when that combine returned)."""
+    import time
+
+    layout = SlotLayout(
+        Topology(1, 2, 16),
+        256,
+        128,
+        4,
+        dtype="float32",
+        wire_format="per_rank",
+        combine_reduce="ffn",
+    )
+    attention, ffns = _graphed_or_eager(layout, True, 2, defer_checks=True, timeout=timeout)
+    serving = LinearExperts(4, 16, 256, seed=5).to("cuda")
+    gen = torch.Generator().manual_seed(9)
+    x, ids, w = (t.cuda() for t in random_routing(64, 256, 4, list(range(16)), gen, torch.float32))
+    for layer in range(4):  # eager, capture, then replays on one ring
+        handle = attention.dispatch(layer, x, ids, w)
+        serving.drain(ffns, poll=0.01)
+        attention.combine(handle)
+    attention.flush()
+    handle = attention.dispatch(0, x, ids, w)
+    attention.combine(handle)  # nobody answers; the device wait spins
+    return attention, time.perf_counter()
+
+
+def test_a_deferred_wait_ends_at_its_clock_deadline_as_a_peer_timeout() -> None:
+    """The device wait of a deferred combine is bounded by a clock deadline (the timeout),
+    not by the host: flush() names the timeout about a timeout after the combine, and the
+    GPU is free again by then."""
+    import time
+
+    from afd_protocol import PeerTimeout
+
+    attention, returned = _deferred_unanswered(timeout=0.5)
+    assert time.perf_counter() - returned < 0.4  # combine() did not wait
+    with pytest.raises(PeerTimeout, match="did not reply to layer 0"):
+        attention.flush()
+    torch.cuda.synchronize()
+    assert 0.4 <= time.perf_counter() - returned <= 5.0
+    attention.close()
+
+
+def test_close_cancels_a_deferred_wait_that_would_run_to_its_deadline() -> None:
+    """close() with a deferred combine unchecked: the device wait (deadline 60 s) is
+    cancelled, so the GPU is free again within moments, and close() does not raise."""
+    import time
+
+    attention, _ = _deferred_unanswered(timeout=60.0)
+    began = time.perf_counter()
+    attention.close()
+    torch.cuda.synchronize()
+    assert time.perf_counter() - began < 5.0

@@ -408,21 +408,31 @@ def test_combines_that_wait_inside_their_graph_equal_the_eager_endpoint_bitwise(
         assert torch.equal(eager, replayed)
 
 
-def _replayed_in_flight(world: LoopbackWorld) -> tuple[GraphedAttentionEndpoint, Any, Any]:
-    """An endpoint whose third dispatch at 6 tokens replays its graphs, not yet answered."""
+def dispatch_a_replay(
+    world: LoopbackWorld, attention: GraphedAttentionEndpoint, seed: int
+) -> tuple[Any, list[WindowFFNEndpoint]]:
+    """Two layers at 6 tokens through ``attention`` and three FFN ranks (options ``FAST``),
+    then a third dispatch at 6 tokens, which replays its graphs: its handle, not yet
+    answered, and the FFN endpoints."""
     ffns = [world.connection(Role.FFN, r).ffn_endpoint(FAST) for r in range(3)]
-    attention = polled_endpoint(world)
-    run_layers(world, attention, ffns, jobs_of([6, 6], seed=110), stages=1)
-    x, ids, w = route(6, 3, list(range(7)), 111)
+    run_layers(world, attention, ffns, jobs_of([6, 6], seed=seed), stages=1)
+    x, ids, w = route(6, 3, list(range(7)), seed + 1)
     handle = attention.dispatch(1, x, ids, w)
     assert attention.replays == 2
+    return handle, ffns
+
+
+def _replayed_in_flight(world: LoopbackWorld) -> tuple[GraphedAttentionEndpoint, Any, Any]:
+    """An endpoint whose third dispatch at 6 tokens replays its graphs, not yet answered."""
+    attention = polled_endpoint(world)
+    handle, ffns = dispatch_a_replay(world, attention, seed=110)
     return attention, handle, ffns
 
 
 def test_a_late_reply_replays_the_wait_until_the_timeout_and_the_combine_can_be_retried() -> None:
     world = make_world(a=1, f=3, experts=7, ring_depth=1)
     attention, handle, ffns = _replayed_in_flight(world)
-    wait = attention._wait
+    wait = attention._waits[handle.ring]
     assert isinstance(wait, PolledCombineWait)
     before = wait.launches
     spun, began = attention.wait_seconds, time.perf_counter()

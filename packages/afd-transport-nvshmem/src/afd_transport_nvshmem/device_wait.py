@@ -36,12 +36,17 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from afd_protocol import WindowLayout
+from afd_transport_nvshmem.combine_wait import MAX_DEADLINE_US
 
 STATUS_CHANGED = 1
 STATUS_SLICE_OVER = 2
+"""The poll budget, or the deadline, ran out first."""
 STATUS_ABORTED = 3
+STATUS_CANCELLED = 4
+"""The host cancelled the wait (:meth:`WaitBlock.cancel`) while it ran."""
 
 
 POLL_PAUSE_NS = 256
@@ -83,8 +88,26 @@ def poll_flags(flags, where, mask, seen, aborts, peers, peer_mask):
     return current, changed, aborted
 
 
-REQUEST_FIXED = 4
-"""Request block words before the lists: watched count, peer count, poll budget, spare."""
+REQUEST_FIXED = 6
+"""Request block words before the lists: watched count, peer count, poll budget, deadline
+in microseconds (0: none), cancel word, spare."""
+CANCEL_WORD = 4
+
+
+@triton.jit
+def _elapsed_ns(start, TIMED: tl.constexpr):
+    """Nanoseconds since ``start`` on the GPU's global timer (0 without ``TIMED``: Triton's
+    interpreter runs no inline assembly)."""
+    if TIMED:
+        return globaltimer() - start
+    return start * 0
+
+
+@triton.jit
+def _now_ns(TIMED: tl.constexpr):
+    if TIMED:
+        return globaltimer()
+    return tl.full([], 0, tl.int64)
 
 
 @triton.jit
@@ -102,19 +125,23 @@ def _wait_any_kernel(
     WORD_BLOCK: tl.constexpr,
     ALL: tl.constexpr,
     PAUSE_NS: tl.constexpr,
+    TIMED: tl.constexpr,
 ):
     # The request lives in pinned host memory, written by the host before the launch:
-    # [n, n_peers, max_polls, 0, indices[BLOCK], last_seen[BLOCK], peers[PEER_BLOCK]].
+    # [n, n_peers, max_polls, deadline_us, cancel, 0, indices[BLOCK], last_seen[BLOCK],
+    # peers[PEER_BLOCK]]; the cancel word may be set while the wait runs.
     n = tl.load(request, volatile=True)
     n_peers = tl.load(request + 1, volatile=True)
     max_polls = tl.load(request + 2, volatile=True)
+    deadline_ns = tl.load(request + 3, volatile=True).to(tl.int64) * 1000
+    start = _now_ns(TIMED)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    where = tl.load(request + 4 + offs, mask=mask, other=0, volatile=True)
-    seen = tl.load(request + 4 + BLOCK + offs, mask=mask, other=0, volatile=True)
+    where = tl.load(request + 6 + offs, mask=mask, other=0, volatile=True)
+    seen = tl.load(request + 6 + BLOCK + offs, mask=mask, other=0, volatile=True)
     poffs = tl.arange(0, PEER_BLOCK)
     pmask = poffs < n_peers
-    pwhere = tl.load(request + 4 + 2 * BLOCK + poffs, mask=pmask, other=0, volatile=True)
+    pwhere = tl.load(request + 6 + 2 * BLOCK + poffs, mask=pmask, other=0, volatile=True)
     status = 0
     polls = 0
     current = seen
@@ -122,7 +149,16 @@ def _wait_any_kernel(
         current, changed, aborted = poll_flags(flags, where, mask, seen, aborts, pwhere, pmask)
         polls += 1
         done = changed == n if ALL else changed > 0
-        status = tl.where(done, 1, tl.where(aborted > 0, 3, tl.where(polls >= max_polls, 2, 0)))
+        late = (deadline_ns > 0) & (_elapsed_ns(start, TIMED) > deadline_ns)
+        over = (polls >= max_polls) | late
+        # The cancel word is host memory: read it every 16th poll (a bus round trip each).
+        cancel = tl.load(request + 4, mask=(polls % 16) == 1, other=0, volatile=True)
+        cancelled = cancel != 0
+        status = tl.where(
+            done,
+            1,
+            tl.where(aborted > 0, 3, tl.where(cancelled, 4, tl.where(over, 2, 0))),
+        )
         if PAUSE_NS > 0:
             pause(tl.full([], PAUSE_NS, tl.int32))
     # Every thread's acquire load is done before any thread reads a header (and the status
@@ -281,14 +317,27 @@ class WaitBlock:
             "WORD_BLOCK": min(128, triton.next_power_of_2(header_words)),
             "ALL": all_flags,
             "PAUSE_NS": pause_ns(flags.device),
+            "TIMED": on_gpu,
         }
 
     def write(
-        self, indices: Sequence[int], last: Sequence[int], peers: Sequence[int], polls: int
+        self,
+        indices: Sequence[int],
+        last: Sequence[int],
+        peers: Sequence[int],
+        polls: int,
+        deadline_us: int = 0,
     ) -> None:
-        """The next launch's wait; clears the status (call only once the last launch ended)."""
+        """The next launch's wait; clears the status and the cancel word (call only once the
+        last launch ended). It ends after ``polls`` polls, or -- on a GPU, when
+        ``deadline_us`` > 0 -- that many microseconds after it started, whichever is first
+        (Triton's interpreter has no clock: only the poll budget bounds it there)."""
+        if not 0 <= deadline_us <= MAX_DEADLINE_US:
+            raise ValueError(
+                f"a device wait's deadline is 0..{MAX_DEADLINE_US} us, got {deadline_us}"
+            )
         b = self.block
-        request = [len(indices), len(peers), polls, 0]
+        request = [len(indices), len(peers), polls, deadline_us, 0, 0]
         request += list(indices) + [0] * (b - len(indices))
         request += list(last) + [0] * (b - len(last))
         request += list(peers) + [0] * (self.peer_block - len(peers))
@@ -299,6 +348,11 @@ class WaitBlock:
         """Enqueue the wait on the current stream (capturable)."""
         _wait_any_kernel[(1,)](*self._args, **self._meta)
 
+    def cancel(self) -> None:
+        """Ask a running wait to end now (status :data:`STATUS_CANCELLED`, within 16 polls);
+        the next :meth:`write` clears the request."""
+        self._request[CANCEL_WORD] = 1
+
     def prepare(self) -> None:
         """Compile and load the kernel (a wait for nothing, one poll) before any capture."""
         self.write((), (), (), 1)
@@ -307,7 +361,8 @@ class WaitBlock:
             torch.cuda.synchronize(self._device)
 
     def status(self) -> int:
-        """0 while the wait runs, then 1 (all arrived), 2 (budget spent) or 3 (aborted)."""
+        """0 while the wait runs, then 1 (all arrived), 2 (budget or deadline spent), 3
+        (a watched peer aborted) or 4 (cancelled)."""
         return int(self._out[self.block])
 
     def values(self, n: int) -> list[int]:

@@ -45,14 +45,12 @@ memory shows up as a stale header.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -69,7 +67,6 @@ from afd_protocol import (
     WireOrder,
     Word,
     check_expert_bounds,
-    keeping_constants,
 )
 from afd_protocol.window import (
     Arrivals,
@@ -78,213 +75,40 @@ from afd_protocol.window import (
     WindowDispatch,
     WindowTransport,
     abort_words,
-    flag_words,
-    slot_view,
+)
+from afd_transport_nvshmem.combine_wait import (
+    MAX_DEADLINE_US,
+    WAIT_POLLS,
+    CombineWait,
+    CombineWaitFactory,
+    PeerCheck,
+    PolledCombineWait,
+    abandon,
+    device_combine_wait,
+    kernel_combine_wait,
+)
+from afd_transport_nvshmem.graph_capture import (
+    CudaGraphCapture,
+    GraphCapture,
+    Replay,
+    replayed_calls,
 )
 from afd_transport_nvshmem.kernel_attention import KernelAttentionEndpoint, fixed_words
 from afd_transport_nvshmem.kernel_specs import WindowKernels
 
+__all__ = [
+    "CombineWait",
+    "CudaGraphCapture",
+    "GraphCapture",
+    "GraphedAttentionEndpoint",
+    "PolledCombineWait",
+    "Replay",
+    "device_combine_wait",
+    "kernel_combine_wait",
+    "replayed_calls",
+]
+
 _T = TypeVar("_T")
-
-WAIT_POLLS = 20000
-"""Device polls of one combine wait before it gives up and is replayed (about 10-20 ms)."""
-LIVENESS_INTERVAL = 0.05
-"""Seconds between the host's checks of the peers while a combine's wait runs."""
-_ABANDONED_WAITS: list[object] = []
-"""Combine waits whose kernel may still write their host buffers (kept for the process)."""
-
-
-class CombineWait(Protocol):
-    """A bounded wait for every expected reply, that a combine graph holds before its
-    kernel: :class:`~afd_transport_nvshmem.device_wait.WaitBlock` on a GPU;
-    :class:`PolledCombineWait` stands in for it in CPU tests."""
-
-    def write(
-        self, indices: Sequence[int], last: Sequence[int], peers: Sequence[int], polls: int
-    ) -> None: ...
-
-    def launch(self) -> None: ...
-
-    def prepare(self) -> None: ...
-
-    def status(self) -> int: ...
-
-    def values(self, n: int) -> list[int]: ...
-
-    def header(self, position: int) -> torch.Tensor: ...
-
-
-CombineWaitFactory = Callable[[WindowTransport], "CombineWait | None"]
-"""Makes an endpoint's combine wait over a transport's local window (None: the host waits)."""
-
-
-def device_combine_wait(transport: WindowTransport) -> CombineWait | None:
-    """:func:`kernel_combine_wait` on a CUDA device; None on the CPU (whose endpoints wait
-    on the host)."""
-    return kernel_combine_wait(transport) if transport.device.type == "cuda" else None
-
-
-def kernel_combine_wait(transport: WindowTransport) -> CombineWait:
-    """The device wait kernel over ``transport``'s local window (on the CPU it runs only
-    under Triton's interpreter)."""
-    from afd_transport_nvshmem.device_wait import WaitBlock, header_offsets
-
-    window = transport.window
-    local = transport.local_window()
-    return WaitBlock(
-        flag_words(local, window),
-        abort_words(local, window),
-        local[: window.total_bytes // 4 * 4].view(torch.int32),
-        header_offsets(window, transport.device),
-        window.slot.header_words,
-        transport.num_peers,
-    )
-
-
-class _PeerCheck:
-    """``transport.check_alive(peers)`` at most every :data:`LIVENESS_INTERVAL`, on one clock
-    for a whole combine (a wait replayed slice after slice must not restart it)."""
-
-    def __init__(self, transport: WindowTransport, peers: list[int]) -> None:
-        self._transport = transport
-        self._peers = peers
-        self._next = time.monotonic() + LIVENESS_INTERVAL
-
-    def when_due(self) -> float:
-        """Check if due; returns the time it looked at."""
-        now = time.monotonic()
-        if now >= self._next:
-            self._transport.check_alive(self._peers)
-            self._next = now + LIVENESS_INTERVAL
-        return now
-
-
-class PolledCombineWait:
-    """:class:`CombineWait` for tests on the CPU: each :meth:`launch` (a replay under
-    :func:`replayed_calls`) looks at the flags once -- all changed, a watched abort word
-    set, or not yet -- and captures the changed slots' headers, as the device wait does."""
-
-    def __init__(self, transport: WindowTransport) -> None:
-        window = transport.window
-        local = transport.local_window()
-        self._flags = flag_words(local, window)
-        self._aborts = abort_words(local, window)
-        self._headers = [
-            slot_view(local, window, *divmod(i, window.ring_depth)).header
-            for i in range(window.num_regions * window.ring_depth)
-        ]
-        self._request: tuple[list[int], list[int], list[int]] = ([], [], [])
-        self._status = 0
-        self._values: list[int] = []
-        self._captured: list[torch.Tensor] = []
-        self.launches = 0
-
-    def write(
-        self, indices: Sequence[int], last: Sequence[int], peers: Sequence[int], polls: int
-    ) -> None:
-        self._request = (list(indices), list(last), list(peers))
-        self._status = 0
-
-    def launch(self) -> None:
-        self.launches += 1
-        indices, last, peers = self._request
-        self._values = [int(self._flags[i]) for i in indices]
-        if all(v != old for v, old in zip(self._values, last, strict=True)):
-            self._captured = [self._headers[i].clone() for i in indices]
-            self._status = 1
-        elif any(int(self._aborts[p]) for p in peers):
-            self._status = 3
-        else:
-            self._status = 2
-
-    def prepare(self) -> None:
-        """Nothing to load."""
-
-    def status(self) -> int:
-        return self._status
-
-    def values(self, n: int) -> list[int]:
-        return self._values[:n]
-
-    def header(self, position: int) -> torch.Tensor:
-        return self._captured[position]
-
-
-Replay = Callable[[], None]
-GraphCapture = Callable[[Callable[[], Any]], tuple[Replay, Any]]
-"""``capture(body) -> (replay, outputs)``: record ``body``'s device work once; every
-``replay()`` redoes it with the same arguments and leaves its results in ``outputs`` (the
-tensors ``body`` returned at capture)."""
-
-
-class CudaGraphCapture:
-    """:data:`GraphCapture` with ``torch.cuda.CUDAGraph`` on a side stream of ``device``
-    (``thread_local`` capture, each graph its own memory pool; replays on the current
-    stream). No device synchronisation and no garbage collection per capture.
-    ``keep_graphs``: every graph keeps its ``cudaGraph_t`` and is listed in
-    :attr:`graphs`, so its nodes can be read (:mod:`~afd_transport_nvshmem.graph_census`)."""
-
-    def __init__(self, device: torch.device, keep_graphs: bool = False) -> None:
-        self._device = device
-        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self._keep = keep_graphs
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        """With ``keep_graphs``: every graph captured, in order."""
-
-    def __call__(self, body: Callable[[], _T]) -> tuple[Replay, _T]:
-        graph = torch.cuda.CUDAGraph(keep_graph=self._keep)
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._stream), keeping_constants() as kept:
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                outputs = body()
-            except BaseException:
-                # The capture is invalid already; the body's error says why.
-                with contextlib.suppress(RuntimeError):
-                    graph.capture_end()
-                raise
-            graph.capture_end()
-        if self._keep:
-            graph.instantiate()
-            self.graphs.append(graph)
-        return _CapturedGraph(graph, kept).replay, outputs
-
-
-class _CapturedGraph:
-    """A graph and the constant tables it was captured with: the graph holds their
-    addresses, this object the references (``constant_index``'s cache may drop them)."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, constants: list[torch.Tensor]) -> None:
-        self._graph = graph
-        self._constants = constants
-
-    def replay(self) -> None:
-        self._graph.replay()
-
-
-def replayed_calls(body: Callable[[], _T]) -> tuple[Replay, _T]:
-    """:data:`GraphCapture` without a GPU, for tests: runs ``body`` now, and on each replay
-    runs it again -- with the Python values of capture time, as a graph would -- and copies
-    the tensors it returns into those returned now."""
-    outputs = body()
-
-    def replay() -> None:
-        for kept, fresh in zip(_tensors(outputs), _tensors(body()), strict=True):
-            kept.copy_(fresh)
-
-    return replay, outputs
-
-
-def _tensors(value: object) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``: a tensor, a tuple or list, or a dataclass's fields."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for spec in dataclasses.fields(value):
-            yield from _tensors(getattr(value, spec.name))
 
 
 @dataclass
@@ -369,6 +193,29 @@ class _HeaderWords:
         return words
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A deferred combine: what its check needs once its wait has reported."""
+
+    handle: WindowDispatch
+    wait: CombineWait
+    dests: list[int]
+    """The FFN ranks it waits for, ascending."""
+    indices: list[int]
+    """Their flag indices on the handle's ring."""
+    deadline: float
+    """``time.monotonic()`` by which the wait must have reported."""
+    limit: float
+    """The timeout it was enqueued with, seconds."""
+    done: torch.Event | None
+    """Recorded behind the combine graph's last node (None on the CPU)."""
+
+
+def _deadline_us(seconds: float) -> int:
+    """A wait's deadline in whole microseconds, within what a request holds."""
+    return max(1, min(MAX_DEADLINE_US, round(seconds * 1e6)))
+
+
 class GraphedAttentionEndpoint(KernelAttentionEndpoint):
     """:class:`~.kernel_attention.KernelAttentionEndpoint` whose packed dispatch and fused
     combine replay CUDA graphs (module docstring). ``max_token_counts`` (>= 1) bounds the
@@ -383,6 +230,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         max_token_counts: int = 8,
         capture: GraphCapture | None = None,
         combine_wait: CombineWaitFactory | None = device_combine_wait,
+        defer_checks: bool = False,
     ) -> None:
         if max_token_counts < 1:
             raise ValueError(
@@ -408,9 +256,15 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         self.wait_seconds = 0.0
         """Host time those combines spent spinning on their wait's status word (the rest of
         a combine's host time is its own work: the replay, the checks of the replies)."""
-        self._wait = None if combine_wait is None else combine_wait(transport)
-        if self._wait is not None:
-            self._wait.prepare()
+        self._combine_wait = combine_wait
+        self._waits: dict[int, CombineWait] = {}
+        """Per ring, the wait its combine graphs hold (made with the ring's first graphs)."""
+        self._defer = defer_checks
+        self._pending: dict[int, _Pending] = {}
+        """Per ring, the deferred combine not yet checked (in the order enqueued)."""
+        self._ring_bounds: dict[int, torch.Tensor] = {}
+        """Per ring, int64 ``[2]`` (page-locked on a GPU): the smallest and largest expert
+        id of its last deferred combine's dispatch, read back by the combine graph."""
         super().__init__(transport, options, kernels)
         if self._pack is None:
             self.close()  # the window is free for another endpoint
@@ -608,7 +462,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             self._pack_rows(
                 ring, plan, entry.hidden, entry.topk_ids, entry.topk_weights, hidden_address
             )
-            copy(entry.bounds_host, plan.expert_bounds)
+            if not self._defer:  # deferred: the combine graph reads them back, per ring
+                copy(entry.bounds_host, plan.expert_bounds)
             entry.publish.launch()
             # What the combine reads, computed while the FFN ranks work.
             wire = plan.token_row_positions if self._reduced_replies else plan.wire_position
@@ -622,25 +477,137 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
     def combine(self, handle: DispatchHandle, timeout: float | None = None) -> torch.Tensor:
         """See the base; a replayed dispatch is waited for and combined by one graph replay
-        (module docstring) when this endpoint has a combine wait."""
-        entry = self._replayed.get(handle.ring) if isinstance(handle, WindowDispatch) else None
-        wait = self._wait
+        (module docstring) when this endpoint has a combine wait. With ``defer_checks``
+        that replay is only enqueued: the replies are checked later (:meth:`flush`)."""
+        if not isinstance(handle, WindowDispatch):
+            return super().combine(handle, timeout)  # refused there
+        if handle.ring in self._pending:
+            self._settle(handle.ring)  # the ring's flags' last values; its results buffers
+        entry = self._replayed.get(handle.ring)
+        wait = self._waits.get(handle.ring)
         if (
             wait is None
             or entry is None
             or entry.combine is None
-            or not isinstance(handle, WindowDispatch)
             or handle.plan is not entry.plan
             or handle.arrived
             or self._in_flight.get(handle.ring) is not handle
         ):
             return super().combine(handle, timeout)
         self._check_open()
-        output = self._wait_and_combine(
-            handle, entry, wait, self._timeout if timeout is None else timeout
-        )
+        limit = self._timeout if timeout is None else timeout
+        if self._defer:
+            return self._enqueue_combine(handle, entry, wait, limit)
+        output = self._wait_and_combine(handle, entry, wait, limit)
         self._release(handle.ring)
         return output
+
+    def flush(self) -> None:
+        """Check every combine still unchecked (``defer_checks``), oldest first: wait for its
+        device wait (the peers watched meanwhile) and check each reply and the expert-id
+        range on the host; raise the first problem (:class:`PeerTimeout`,
+        :class:`PeerAborted`, :class:`ProtocolError`, :class:`InvalidArgument`). Call it
+        before using the outputs of a forward pass: until then they may come from replies
+        that turn out wrong. Without ``defer_checks`` (or with nothing pending) it returns
+        at once."""
+        for ring in list(self._pending):
+            self._settle(ring)
+
+    @property
+    def unchecked(self) -> int:
+        """Combines enqueued but not yet checked (``defer_checks``; see :meth:`flush`)."""
+        return len(self._pending)
+
+    def _request(
+        self, handle: WindowDispatch, wait: CombineWait, limit: float, deferred: bool
+    ) -> tuple[list[int], list[int]]:
+        """Write the wait of ``handle``'s replies; (FFN ranks, their flag indices)."""
+        dests = sorted(handle.expected)
+        indices = [self._window.flag_index(d, handle.ring) for d in dests]
+        seen = self._transport.seen
+        last = [seen[i] for i in indices]
+        if deferred:
+            # One wait to the end of the timeout (no slices: its output cannot be redone).
+            on_gpu = self.device.type == "cuda"
+            polls = _INT32_MAX if on_gpu else WAIT_POLLS
+            wait.write(indices, last, dests, polls, deadline_us=_deadline_us(limit))
+        else:
+            wait.write(indices, last, dests, WAIT_POLLS)
+        return dests, indices
+
+    def _enqueue_combine(
+        self, handle: WindowDispatch, entry: _LayerGraphs, wait: CombineWait, limit: float
+    ) -> torch.Tensor:
+        """``defer_checks``: replay the combine graph (wait, kernel, bounds readback) and
+        return its output, copied, without waiting; the ring is free again at once, and the
+        checks wait for :meth:`_settle`."""
+        assert entry.combine is not None
+        assert entry.combine_out is not None
+        ring = handle.ring
+        dests, indices = self._request(handle, wait, limit, deferred=True)
+        entry.combine()
+        output = entry.combine_out.clone()
+        done = torch.Event(device=self.device) if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()  # the combine kernel and the bounds readback behind the wait
+        self._pending[ring] = _Pending(
+            handle, wait, dests, indices, time.monotonic() + limit, limit, done
+        )
+        del self._replayed[ring]
+        self._release(ring)
+        self.graph_waits += 1
+        return output
+
+    def _settle(self, ring: int) -> None:
+        """Check the deferred combine of ``ring`` (see :meth:`flush`)."""
+        pending = self._pending.pop(ring)
+        handle, wait = pending.handle, pending.wait
+        peers = PeerCheck(self._transport, pending.dests)
+        try:
+            status = self._await_wait(wait, peers, pending.deadline, pending.limit)
+            self._raise_unless_arrived(status, handle, pending.dests, pending.limit)
+            self._check_replies(handle, wait, pending.dests, pending.indices)
+            if pending.done is not None:
+                pending.done.synchronize()  # no wait left in it: a few microseconds
+            low, high = (int(v) for v in self._ring_bounds[ring].tolist())
+            check_expert_bounds(low, high, self._topology.num_experts)
+        except BaseException:
+            for other in list(self._pending):  # their replies can no longer be trusted
+                abandon(self._pending.pop(other).wait)
+            raise
+
+    def _raise_unless_arrived(
+        self, status: int, handle: WindowDispatch, dests: list[int], limit: float
+    ) -> None:
+        """PeerAborted (status 3) or PeerTimeout (2, 4) for a wait that did not see every
+        reply."""
+        if status == 1:
+            return
+        if status == 3:
+            aborted = abort_words(self._transport.local_window(), self._window).tolist()
+            raise PeerAborted(
+                f"attention rank {self._rank}: FFN rank(s) "
+                f"{[d for d in dests if aborted[d]]} aborted (see their own error for the "
+                f"cause)"
+            )
+        raise PeerTimeout(
+            f"attention rank {self._rank}: FFN ranks {dests} did not reply to layer "
+            f"{handle.layer} stage {handle.stage} within {limit:g} s; they may be dead "
+            f"or overloaded (raise the timeout if they are merely slow)"
+        )
+
+    def _check_replies(
+        self, handle: WindowDispatch, wait: CombineWait, dests: list[int], indices: list[int]
+    ) -> None:
+        """Check every reply the wait captured against ``handle``; mark the flags seen."""
+        values = wait.values(len(indices))
+        arrivals = Arrivals(values, {i: wait.header(p) for p, i in enumerate(indices)})
+        seen = self._transport.seen
+        for dest, index, value in zip(dests, indices, values, strict=True):
+            seen[index] = value
+            handle.arrived[dest] = self._check_reply(
+                dest, arrivals, value, handle.expected[dest], handle
+            )
 
     def _wait_and_combine(
         self, handle: WindowDispatch, entry: _LayerGraphs, wait: CombineWait, limit: float
@@ -650,46 +617,27 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         assert entry.combine is not None
         assert entry.combine_out is not None
         ring = handle.ring
-        dests = sorted(handle.expected)
-        indices = [self._window.flag_index(d, ring) for d in dests]
-        seen = self._transport.seen
-        last = [seen[i] for i in indices]
         deadline = time.monotonic() + limit
-        peers = _PeerCheck(self._transport, dests)  # one clock across the wait's slices
+        dests: list[int] = []
+        indices: list[int] = []
+        peers = PeerCheck(self._transport, sorted(handle.expected))  # one clock, every slice
         while True:
-            wait.write(indices, last, dests, WAIT_POLLS)
+            dests, indices = self._request(handle, wait, limit, deferred=False)
             entry.combine()
             output = entry.combine_out.clone()
             status = self._await_wait(wait, peers, deadline, limit)
             if status == 1:
                 break
-            if status == 3:
-                aborted = abort_words(self._transport.local_window(), self._window).tolist()
-                raise PeerAborted(
-                    f"attention rank {self._rank}: FFN rank(s) "
-                    f"{[d for d in dests if aborted[d]]} aborted (see their own error for the "
-                    f"cause)"
-                )
-            if time.monotonic() >= deadline:
-                raise PeerTimeout(
-                    f"attention rank {self._rank}: FFN ranks {dests} did not reply to layer "
-                    f"{handle.layer} stage {handle.stage} within {limit:g} s; they may be dead "
-                    f"or overloaded (raise the timeout if they are merely slow)"
-                )
-        values = wait.values(len(indices))
-        arrivals = Arrivals(values, {i: wait.header(p) for p, i in enumerate(indices)})
-        for dest, index, value in zip(dests, indices, values, strict=True):
-            seen[index] = value
-            handle.arrived[dest] = self._check_reply(
-                dest, arrivals, value, handle.expected[dest], handle
-            )
+            if status == 3 or time.monotonic() >= deadline:
+                self._raise_unless_arrived(status, handle, dests, limit)
+        self._check_replies(handle, wait, dests, indices)
         self._check_bounds(entry, ring)
         del self._replayed[ring]
         self.graph_waits += 1
         return output
 
     def _await_wait(
-        self, wait: CombineWait, peers: _PeerCheck, deadline: float, limit: float
+        self, wait: CombineWait, peers: PeerCheck, deadline: float, limit: float
     ) -> int:
         """Spin on the wait's status, checking the peers when due (also when slices end
         faster than the liveness interval)."""
@@ -709,8 +657,9 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             if wait.status() == 0:
                 # Its kernel may still write the wait's buffers: keep them; no graph holding
                 # it runs again, and later combines wait on the host.
-                _ABANDONED_WAITS.append(wait)
-                self._wait = None
+                abandon(wait)
+                self._waits.clear()
+                self._combine_wait = None
                 self._graphs.clear()
             raise
         finally:
@@ -741,8 +690,16 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         del self._replayed[ring]
         return output
 
+    def announce_shutdown(self) -> None:
+        """Check what is pending (:meth:`flush`), then see the base."""
+        self.flush()
+        super().announce_shutdown()
+
     def close(self) -> None:
-        """Close the endpoint (see the base) and drop every graph and its buffers."""
+        """Close the endpoint (see the base) and drop every graph and its buffers; a
+        deferred combine still unchecked is cancelled, not checked (never raises)."""
+        for ring in list(self._pending):
+            abandon(self._pending.pop(ring).wait)
         super().close()
         self._graphs.clear()
         self._replayed.clear()
@@ -759,18 +716,43 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             segments, weights = plan.segment_offsets, entry.topk_weights
         inputs = self._combine_inputs(ring, segments, entry.wire_position, weights, dtype)
 
-        wait = self._wait
+        wait = self._wait_of(ring)
+        bounds = self._bounds_of(ring) if self._defer and wait is not None else None
+        copy = self._kernels.copy_words
 
         def body() -> torch.Tensor:
             if wait is not None:
                 wait.launch()  # every expected reply, then at once the combine
-            return self._kernels.fused_combine(inputs)
+            output = self._kernels.fused_combine(inputs)
+            if bounds is not None:
+                copy(bounds, plan.expert_bounds)  # what the deferred check reads
+            return output
 
         try:
             entry.combine, entry.combine_out = self._captured("combine", entry, ring, body)
         except AFDError:
             entry.dispatch = None  # captured again, both, at the next use
             raise
+
+    def _wait_of(self, ring: int) -> CombineWait | None:
+        """The wait of ``ring``'s combine graphs, made (and its kernel loaded) on first use;
+        None without a combine wait."""
+        wait = self._waits.get(ring)
+        if wait is None and self._combine_wait is not None:
+            wait = self._combine_wait(self._transport)
+            if wait is not None:
+                wait.prepare()
+                self._waits[ring] = wait
+        return wait
+
+    def _bounds_of(self, ring: int) -> torch.Tensor:
+        """``ring``'s deferred bounds readback buffer (made on first use)."""
+        bounds = self._ring_bounds.get(ring)
+        if bounds is None:
+            on_gpu = self.device.type == "cuda"
+            bounds = torch.zeros(2, dtype=torch.int64, pin_memory=on_gpu)
+            self._ring_bounds[ring] = bounds
+        return bounds
 
     def _captured(
         self, what: str, entry: _LayerGraphs, ring: int, body: Callable[[], _T]

@@ -628,14 +628,22 @@ class NvshmemConnection(KernelWindowConnection):
         max_token_counts: int = 8,
         wait_in_graph: bool = True,
         kernels: WindowKernels | None = None,
+        defer_checks: bool = False,
     ) -> GraphedAttentionEndpoint:
         """This attention rank's endpoint with its exchange replayed from CUDA graphs, up to
         ``max_token_counts`` token counts held (whatever the transport's options say);
         ``wait_in_graph``: each combine graph waits for its replies on the device (False:
         the host waits first, then replays the combine); ``kernels``: instead of the
-        connection's (``afd bench transport`` swaps in the torch device plan, say)."""
+        connection's (``afd bench transport`` swaps in the torch device plan, say);
+        ``defer_checks``: replayed combines return without the host waiting, their replies
+        checked at the ring's next combine or ``flush()``."""
         kernels = kernels if kernels is not None else self.endpoint_kernels()
         wait = device_combine_wait if wait_in_graph else None
         return GraphedAttentionEndpoint(
-            self.transport, options, kernels, max_token_counts, combine_wait=wait
+            self.transport,
+            options,
+            kernels,
+            max_token_counts,
+            combine_wait=wait,
+            defer_checks=defer_checks,
         )
