@@ -132,14 +132,28 @@ packed dispatch)."""
 PROFILED_MODES = ("device", "graphs", "ffn-graph", "ffn-graph-rank")
 """The modes ``--profile`` profiles on the attention side (one file each)."""
 GRAPHED_MODES = frozenset(
-    {"graphs", "ffn-graph", "ffn-graph-rank", "graphs-host-wait", "graphs-torch-plan", "put-graphs"}
+    {
+        "graphs",
+        "ffn-graph",
+        "ffn-graph-rank",
+        "ffn-graph-rank-deferred",
+        "graphs-host-wait",
+        "graphs-torch-plan",
+        "put-graphs",
+    }
 )
 """Modes whose endpoint replays its exchange from CUDA graphs (``graphed_attention_endpoint``
 of the NVSHMEM connection): 'graphs' in the kernel-publish launch, beside 'kern pub';
 'ffn-graph' in a launch of its own whose FFN rank serves from a CUDA graph too, and
 'ffn-graph-rank' the same over the ``per_rank`` wire format reduced on the FFN side (what
 ``afd run`` sends by default: one row per token and FFN rank each way);
-'put-graphs' in the put path's launch, beside 'put'."""
+'put-graphs' in the put path's launch, beside 'put'; 'ffn-graph-rank-deferred' is
+'ffn-graph-rank' with each combine's replies checked later (``defer_checks``: at the next
+combine on its ring, or ``flush()``), interleaved with it."""
+ROW_MODES = ("ffn-graph-rank", "ffn-graph-rank-deferred")
+"""Modes also timed :data:`LAYERS_IN_A_ROW` layers back to back (then flush() and one
+synchronize): a forward pass's view, where the host may run ahead of the device."""
+LAYERS_IN_A_ROW = 8
 
 
 def _wait_any_latency(connection: WindowConnection, iterations: int) -> float:
@@ -308,6 +322,7 @@ def _layer_attention(
         ids = torch.rand(n, EXPERTS, device=device, generator=gen).topk(TOPK, -1).indices
         w = torch.rand(n, TOPK, device=device, generator=gen)
         samples: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
+        in_a_row: dict[str, list[float]] = {m: [] for m in modes if m in ROW_MODES}
         captures = dict.fromkeys(modes, 0.0)
         capture_seconds = dict.fromkeys(modes, 0.0)
         for _ in range(blocks):
@@ -318,6 +333,9 @@ def _layer_attention(
                 torch.cuda.synchronize(device)
                 for _ in range(ROUNDS_PER_BLOCK):
                     samples[mode].append(_timed_round(endpoint, x, ids, w))
+                if mode in ROW_MODES:
+                    in_a_row[mode].append(_timed_row(endpoint, x, ids, w))
+                _flush(endpoint)  # a deferred mode's last check: before close() cancels it
                 captures[mode] += getattr(endpoint, "captures", 0)
                 capture_seconds[mode] += getattr(endpoint, "capture_seconds", 0.0)
                 endpoint.close()
@@ -325,6 +343,10 @@ def _layer_attention(
             # Per endpoint (one per block): the graphs it held, and the host time per capture.
             results[f"{mode}/{n}/captures"] = captures[mode] / blocks
             results[f"{mode}/{n}/capture_s"] = capture_seconds[mode] / max(1.0, captures[mode])
+        for mode, row_times in in_a_row.items():
+            results[f"{mode}/{n}/row"] = statistics.median(row_times)
+            results[f"{mode}/{n}/row_p10"] = _quantile(row_times, 0.1)
+            results[f"{mode}/{n}/row_p90"] = _quantile(row_times, 0.9)
         for mode, rows in samples.items():
             columns = list(zip(*rows, strict=True))
             names = (
@@ -362,7 +384,12 @@ def _endpoint(connection: WindowConnection, mode: str, options: WindowOptions) -
         if mode == "graphs-torch-plan":  # the device plan as afd_protocol's torch ops
             own = connection.endpoint_kernels()  # type: ignore[attr-defined]
             kernels = dataclasses.replace(own, device_plan=plan_on_device)
-        return make(options, wait_in_graph=mode != "graphs-host-wait", kernels=kernels)
+        return make(
+            options,
+            wait_in_graph=mode != "graphs-host-wait",
+            kernels=kernels,
+            defer_checks=mode.endswith("-deferred"),
+        )
     return connection.attention_endpoint(options)
 
 
@@ -398,6 +425,27 @@ def _timed_round(
         marks[1].elapsed_time(marks[2]) / 1e3,
         waited,
     )
+
+
+def _timed_row(
+    endpoint: AttentionEndpoint, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+) -> float:
+    """Seconds per layer of :data:`LAYERS_IN_A_ROW` dispatch + combine pairs issued back to
+    back from an idle GPU, every check done (``flush()``) and the device drained."""
+    torch.cuda.synchronize(x.device)
+    start = time.perf_counter()
+    for layer in range(LAYERS_IN_A_ROW):
+        endpoint.combine(endpoint.dispatch(layer % 2, x, ids, w))
+    _flush(endpoint)
+    torch.cuda.synchronize(x.device)
+    return (time.perf_counter() - start) / LAYERS_IN_A_ROW
+
+
+def _flush(endpoint: AttentionEndpoint) -> None:
+    """Check what a deferred endpoint left unchecked (others have nothing to flush)."""
+    flush = getattr(endpoint, "flush", None)
+    if flush is not None:
+        flush()
 
 
 def _profile_layer(endpoint: AttentionEndpoint, x: Any, ids: Any, w: Any, path: str) -> None:
@@ -663,7 +711,14 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
         combine_reduce=CombineReduce.FFN,
     ).window()
     specs[0] = dataclasses.replace(
-        specs[0], kwargs={**specs[0].kwargs, "modes": {"ffn-graph-rank": KERNEL_PUBLISH_MODE}}
+        specs[0],
+        kwargs={
+            **specs[0].kwargs,
+            "modes": {
+                "ffn-graph-rank": KERNEL_PUBLISH_MODE,
+                "ffn-graph-rank-deferred": KERNEL_PUBLISH_MODE,
+            },
+        },
     )
     ffn_graph_rank = _launch(rank_layer, _with(specs, env), "kernel_publish")
     times.update(ffn_graph_rank["attention rank 0"].value)
@@ -812,6 +867,27 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
             f"{times[key + '/combine_wait'] * 1e6:13.1f} "
             f"{nbytes / (floor_gbs * 1e9) * 1e3:6.3f} {nbytes / (NVLINK_GBS * 1e9) * 1e3:6.3f}"
         )
+    print(
+        f"\n'ffn graph' per_rank_ffn, each combine checked at once ('checked') or later "
+        f"('deferred': at the next combine on its ring, or flush(); interleaved in one "
+        f"launch), median ms per layer: 'round' = one dispatch + combine from an idle GPU, "
+        f"then a synchronize; 'in a row' = {LAYERS_IN_A_ROW} layers back to back, then "
+        f"flush() and one synchronize (a forward pass's view: the host may run ahead)"
+    )
+    print(
+        f"  {'tokens':>6} {'round checked':>13} {'deferred':>8} {'in a row checked':>16} "
+        f"{'deferred':>8} {'p10-p90 checked':>15} {'p10-p90 deferred':>16} "
+        f"{'deferred dispatch() us':>22} {'combine() us':>12}"
+    )
+    for n in tokens:
+        checked, deferred = f"ffn-graph-rank/{n}", f"ffn-graph-rank-deferred/{n}"
+        print(
+            f"  {n:6d} {times[checked] * 1e3:13.2f} {times[deferred] * 1e3:8.2f} "
+            f"{times[checked + '/row'] * 1e3:16.3f} {times[deferred + '/row'] * 1e3:8.3f} "
+            f"{_row_spread(times, checked):>15} {_row_spread(times, deferred):>16} "
+            f"{times[deferred + '/dispatch_call'] * 1e6:22.1f} "
+            f"{times[deferred + '/combine_call'] * 1e6:12.1f}"
+        )
     graph = report["ffn_graph"]
     print(
         f"\nthe FFN rank's serve loop as one CUDA graph ('ffn graph'): {graph['served']} items "
@@ -824,6 +900,11 @@ def _run(args: Any, env: dict[str, str], placement: str) -> dict[str, Any]:
 def _spread(times: dict[str, float], key: str) -> str:
     """``p10-p90`` of ``key``'s rounds, in ms."""
     return f"{times[key + '/p10'] * 1e3:.2f}-{times[key + '/p90'] * 1e3:.2f}"
+
+
+def _row_spread(times: dict[str, float], key: str) -> str:
+    """``p10-p90`` of ``key``'s layers-in-a-row samples, in ms."""
+    return f"{times[key + '/row_p10'] * 1e3:.3f}-{times[key + '/row_p90'] * 1e3:.3f}"
 
 
 def _floor_gbs(bandwidth: dict[str, Any]) -> float:
