@@ -217,6 +217,57 @@ def ffn_graphed(
     }
 
 
+def attention_deferred_bursts(
+    connection: Connection,
+    *,
+    layers: int,
+    seed: int,
+    tokens: int,
+    bursts: int,
+    burst_len: int,
+    stall_s: float,
+) -> dict[str, Any]:
+    """A graph-replayed endpoint with ``defer_checks``: ``bursts`` times, keep the stream
+    busy for ``stall_s`` seconds (``torch.cuda._sleep``), then issue ``burst_len`` layers
+    of ``tokens`` tokens (dispatch, combine), the host ahead of the device (a deferred
+    combine returns at once; the next one on the ring checks it); then flush() and check
+    every output against the reference. ``ahead``: bursts whose first combine returned
+    while the stall was still running."""
+    device = connection.device
+    ep = connection.graphed_attention_endpoint(  # type: ignore[attr-defined]
+        WindowOptions(timeout=60.0), 4, defer_checks=True
+    )
+    slot = connection.layout
+    experts = _experts(connection, layers, seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    everyone = range(slot.topology.num_experts)
+    jobs = []
+    for i in range(bursts * burst_len):
+        x, ids, w = random_routing(tokens, slot.hidden_size, slot.topk, everyone, gen, ep.dtype)
+        # On the device before the stalls: a copy from pageable memory would wait for them.
+        jobs.append((i % layers, x, ids, w, x.to(device), ids.to(device), w.to(device)))
+    torch.cuda.synchronize(device)
+    cycles = int(stall_s * torch.cuda.clock_rate(device) * 1e6)  # clock_rate is in MHz
+    outputs, ahead = [], 0
+    for burst in range(bursts):
+        torch.cuda._sleep(cycles)
+        stalled = torch.cuda.Event()
+        stalled.record()
+        for i, (layer, *_, dx, dids, dw) in enumerate(
+            jobs[burst * burst_len : (burst + 1) * burst_len]
+        ):
+            outputs.append(ep.combine(ep.dispatch(layer, dx, dids, dw)))
+            if i == 0 and not stalled.query():
+                ahead += 1
+    ep.flush()
+    errors = [
+        relative_error(out, experts.reference(layer, x, ids, w, False))
+        for out, (layer, x, ids, w, *_) in zip(outputs, jobs, strict=True)
+    ]
+    ep.announce_shutdown()
+    return {"errors": errors, "ahead": ahead, "graph_replays": ep.replays}
+
+
 def attention_jobs(
     connection: Connection,
     *,

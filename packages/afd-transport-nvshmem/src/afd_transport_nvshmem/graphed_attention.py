@@ -35,6 +35,16 @@ watched FFN rank that aborted or died is a named error within the timeout (the h
 the peers while it reads the status). Without a combine wait, the transport's own bounded
 device wait runs first, as for the eager endpoint.
 
+With ``defer_checks=True`` the host does not wait at all: ``combine()`` enqueues the
+replay (its wait bounded by a GPU clock deadline, the timeout) and returns the output at
+once, so the host can run layers ahead of the device. The replies and the expert-id range
+of a deferred combine are checked at the next combine on its ring, at :meth:`flush` or at
+``announce_shutdown()`` -- every error the immediate check raises, raised there instead
+(and every other unchecked combine cancelled). The host stalls only where it would
+overwrite words a queued dispatch replay has yet to read: a (token count, ring)'s next
+dispatch waits for its last dispatch replay to have run. Call ``flush()`` before trusting
+a forward pass's outputs; ``close()`` cancels what is unchecked.
+
 Outputs equal the eager kernel endpoint's exactly: the same kernels run on the same
 values. A dispatch the device pack cannot take (too many rows for a slot) runs eagerly.
 :data:`GraphCapture` is how a graph is made: :class:`CudaGraphCapture` on a GPU; tests on
@@ -149,7 +159,10 @@ class _LayerGraphs:
     combine: Replay | None = None
     combine_out: torch.Tensor | None = None
     """``[T, H]`` activation dtype: the combine graph's output."""
-    bounds_ready: torch.Event | None = None
+    dispatched: torch.Event | None = None
+    """Recorded behind this entry's last dispatch replay (None on the CPU): once it has
+    completed, that replay has read every page-locked word the host stages for the next
+    (header words, input addresses, flag values) and read the expert-id bounds back."""
     header_words: _HeaderWords | None = None
     """The replays' header words with the per-dispatch ones left to fill (made from the
     first replay's headers)."""
@@ -209,6 +222,9 @@ class _Pending:
     """The timeout it was enqueued with, seconds."""
     done: torch.Event | None
     """Recorded behind the combine graph's last node (None on the CPU)."""
+    entry: _LayerGraphs
+    """The graphs it replayed and the memory they use, held until it is checked (the
+    least-recently-used drop could otherwise free them while they still run)."""
 
 
 def _deadline_us(seconds: float) -> int:
@@ -308,6 +324,10 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             super()._send(handle, hidden_states)
             return
         entry = self._layer_graphs(num_tokens, handle.ring, hidden_states, handle)
+        if self._defer and entry.dispatched is not None and not entry.dispatched.query():
+            # The host ran ahead (no combine waited): this entry's last dispatch replay may
+            # not have read its staged words yet, and the ones below would overwrite them.
+            entry.dispatched.synchronize()
         self._stage_inputs(entry, (hidden_states, handle.topk_ids, handle.topk_weights))
         seqs, shared_rows = self._write_headers(entry, handle)
         entry.publish.write(seqs)
@@ -320,8 +340,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         assert entry.plan is not None
         entry.dispatch()
         self.replays += 1
-        if entry.bounds_ready is not None:
-            entry.bounds_ready.record()  # the current stream
+        if entry.dispatched is not None:
+            entry.dispatched.record()  # the current stream
         handle.plan = entry.plan
         self._replayed[handle.ring] = entry
         handle.device_segments = (
@@ -408,7 +428,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                     list(range(self._topology.num_ffn_ranks)),
                     self._window.flag_index(self._rank, ring),
                 ),
-                bounds_ready=torch.Event(device=self.device) if on_gpu else None,
+                dispatched=torch.Event(device=self.device) if on_gpu else None,
             )
             if self._kernels.fetch_inputs is not None:
                 sources = torch.zeros(3, dtype=torch.int64, pin_memory=on_gpu)
@@ -551,7 +571,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         if done is not None:
             done.record()  # the combine kernel and the bounds readback behind the wait
         self._pending[ring] = _Pending(
-            handle, wait, dests, indices, time.monotonic() + limit, limit, done
+            handle, wait, dests, indices, time.monotonic() + limit, limit, done, entry
         )
         del self._replayed[ring]
         self._release(ring)
@@ -668,8 +688,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
     def _check_bounds(self, entry: _LayerGraphs, ring: int) -> None:
         """The expert-id range check of a replayed dispatch (read back behind its pack)."""
-        if entry.bounds_ready is not None and not entry.bounds_ready.query():
-            entry.bounds_ready.synchronize()
+        if entry.dispatched is not None and not entry.dispatched.query():
+            entry.dispatched.synchronize()
         low, high = (int(v) for v in entry.bounds_host.tolist())
         if low < 0 or high >= self._topology.num_experts:
             del self._replayed[ring]
