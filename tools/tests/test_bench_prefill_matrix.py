@@ -506,7 +506,13 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    assert len(calls) == 7  # two of the quick size (eager, graph-replayed), five full
+    # Two of the quick size (eager, graph-replayed), seven full: the long mix's 2A2F and
+    # 3A1F as one call with five GPUs or more, as two on fewer (3A1F at 3 layers there).
+    assert len(calls) == 9
+    three_layers = [argv for argv in calls if "--run-arg=--layers=3" in argv]
+    assert len(three_layers) == 1
+    assert "3:1" in three_layers[0]
+    assert "2:2" not in three_layers[0]
     run_args = ["--run-arg=--device=cuda", "--run-arg=--share-gpus"]
     layouts = set()
     for argv in calls:
