@@ -222,17 +222,17 @@ def attention_deferred_bursts(
     *,
     layers: int,
     seed: int,
-    tokens: int,
+    tokens: list[int],
     bursts: int,
     burst_len: int,
     stall_s: float,
 ) -> dict[str, Any]:
     """A graph-replayed endpoint with ``defer_checks``: ``bursts`` times, keep the stream
     busy for ``stall_s`` seconds (``torch.cuda._sleep``), then issue ``burst_len`` layers
-    of ``tokens`` tokens (dispatch, combine), the host ahead of the device (a deferred
-    combine returns at once; the next one on the ring checks it); then flush() and check
-    every output against the reference. ``ahead``: bursts whose first combine returned
-    while the stall was still running."""
+    (dispatch, combine) of ``tokens[i % len(tokens)]`` tokens each, the host ahead of the
+    device (a deferred combine returns at once; the next one on the ring checks it); then
+    flush() and check every output against the reference. ``ahead``: bursts whose first
+    combine returned while the stall was still running."""
     device = connection.device
     ep = connection.graphed_attention_endpoint(  # type: ignore[attr-defined]
         WindowOptions(timeout=60.0), 4, defer_checks=True
@@ -243,7 +243,8 @@ def attention_deferred_bursts(
     everyone = range(slot.topology.num_experts)
     jobs = []
     for i in range(bursts * burst_len):
-        x, ids, w = random_routing(tokens, slot.hidden_size, slot.topk, everyone, gen, ep.dtype)
+        count = tokens[i % len(tokens)]
+        x, ids, w = random_routing(count, slot.hidden_size, slot.topk, everyone, gen, ep.dtype)
         # On the device before the stalls: a copy from pageable memory would wait for them.
         jobs.append((i % layers, x, ids, w, x.to(device), ids.to(device), w.to(device)))
     torch.cuda.synchronize(device)

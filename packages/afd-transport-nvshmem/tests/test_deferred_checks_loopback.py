@@ -198,3 +198,66 @@ def test_close_cancels_what_is_unchecked_and_never_raises() -> None:
     assert attention.unchecked == 0
     wait.launch()  # what a still-running device wait would see: the cancel word
     assert wait.status() == 4
+
+
+def test_without_a_combine_wait_out_of_range_ids_are_still_refused() -> None:
+    """Deferred but with no wait in the combine graph, a combine waits on the host and
+    checks at once: the dispatch graph must then read the expert-id range back itself."""
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    ffns = ffns_of(world)
+    attention = GraphedAttentionEndpoint(
+        world.transport(Role.ATTENTION, 0),
+        FAST,
+        REFERENCE_KERNELS,
+        capture=CountingCapture(),
+        combine_wait=None,
+        defer_checks=True,
+    )
+    run_layers(world, attention, ffns, jobs_of([6, 6], seed=70), stages=1)
+    x, ids, w = route(6, 3, list(range(7)), 71)
+    handle = attention.dispatch(0, x, ids.masked_fill(ids == ids[0, 0], 9), w)
+    assert attention.replays == 2
+    drain(ffns, linear_experts(world))
+    with pytest.raises(InvalidArgument, match=r"expert id 9, outside \[0, 7\)"):
+        attention.combine(handle)
+    attention.close()
+
+
+def test_an_endpoint_after_close_with_a_combine_unchecked_expects_the_next_replies() -> None:
+    """close() with a combine whose replies arrived but were not checked: the transport
+    records their flag values, so the next endpoint on it takes only new replies as its
+    own, and its outputs equal a fresh world's."""
+    layout = layout_of("per_choice", "attention", a=1, f=3, tokens=32)
+    jobs = jobs_of([6, 6, 6, 5, 6], seed=230)
+    world = LoopbackWorld(layout.window(ring_depth=1))
+    transport = world.transport(Role.ATTENTION, 0)
+    ffns = ffns_of(world)
+    first = GraphedAttentionEndpoint(
+        transport,
+        FAST,
+        REFERENCE_KERNELS,
+        capture=CountingCapture(),
+        combine_wait=PolledCombineWait,
+        defer_checks=True,
+    )
+    run_layers(world, first, ffns, jobs[:3], stages=1)
+    assert first.unchecked == 1  # the third layer's replies arrived; not yet checked
+    first.close()
+    second = KernelAttentionEndpoint(transport, FAST, REFERENCE_KERNELS)
+    x, ids, w = jobs[3][1:]
+    handle = second.dispatch(jobs[3][0], x, ids, w)
+    # Before the FFN ranks serve it, no reply of this layer is there to take.
+    with pytest.raises(PeerTimeout):
+        second.combine(handle, timeout=0.05)
+    drain(ffns, linear_experts(world, layers=8))
+    later = [second.combine(handle)]
+    later += run_layers(world, second, ffns, jobs[4:], stages=1)
+    second.close()
+    fresh_world = LoopbackWorld(layout.window(ring_depth=1))
+    fresh = KernelAttentionEndpoint(
+        fresh_world.transport(Role.ATTENTION, 0), FAST, REFERENCE_KERNELS
+    )
+    expected = run_layers(fresh_world, fresh, ffns_of(fresh_world), jobs[3:], stages=1)
+    fresh.close()
+    for got, want in zip(later, expected, strict=True):
+        assert torch.equal(got, want)

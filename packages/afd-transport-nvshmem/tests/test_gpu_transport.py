@@ -168,10 +168,12 @@ def test_deferred_checks_let_the_host_run_ahead_and_still_match_the_reference(
     gpu_placement,
 ) -> None:  # type: ignore[no-untyped-def]
     """``defer_checks``: after a stall of the stream the host issues a burst of eight
-    layers on one ring; the first combine returns while the stall still runs, so the next
-    dispatch stages its words while the one before has not been replayed yet. Each replay
-    must still send its own header words and flags (the FFN rank refuses a slot whose
-    header and flag disagree), and every output matches the reference."""
+    layers on one ring, at two token counts in turn; the first combine returns while the
+    stall still runs, so the next dispatch stages its words while the one before has not
+    been replayed yet -- at the same count (the same graphs' words) and at the other (the
+    ring's flag values, which the transport shares between counts). Each replay must
+    still send its own header words and flags (the FFN rank refuses a slot whose header
+    and flag disagree), and every output matches the reference."""
     bursts, burst_len = 6, 8
     specs = [
         RankSpec(
@@ -181,7 +183,7 @@ def test_deferred_checks_let_the_host_run_ahead_and_still_match_the_reference(
             {
                 "layers": LAYERS,
                 "seed": 4,
-                "tokens": 64,
+                "tokens": [64, 48],
                 "bursts": bursts,
                 "burst_len": burst_len,
                 "stall_s": 0.02,
@@ -198,7 +200,8 @@ def test_deferred_checks_let_the_host_run_ahead_and_still_match_the_reference(
     attention = results["attention rank 0"].value
     assert len(attention["errors"]) == bursts * burst_len
     assert max(attention["errors"]) <= 2e-2, attention["errors"]
-    assert attention["graph_replays"] == bursts * burst_len - 1  # the first use is eager
+    # The first use of each count is eager, the second captures (a replay).
+    assert attention["graph_replays"] == bursts * burst_len - 2
     # Past the first burst (eager, then the capture) the host was ahead of the stall.
     assert attention["ahead"] >= bursts - 1, attention
     assert results["ffn rank 0"].value["served"] == bursts * burst_len

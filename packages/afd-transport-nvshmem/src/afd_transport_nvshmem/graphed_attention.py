@@ -41,9 +41,13 @@ once, so the host can run layers ahead of the device. The replies and the expert
 of a deferred combine are checked at the next combine on its ring, at :meth:`flush` or at
 ``announce_shutdown()`` -- every error the immediate check raises, raised there instead
 (and every other unchecked combine cancelled). The host stalls only where it would
-overwrite words a queued dispatch replay has yet to read: a (token count, ring)'s next
-dispatch waits for its last dispatch replay to have run. Call ``flush()`` before trusting
-a forward pass's outputs; ``close()`` cancels what is unchecked.
+overwrite words a queued dispatch has yet to read: a ring's next dispatch waits for the
+ring's last dispatch to have run (the graphs' header words and input addresses, and the
+flag values, whose page-locked block the transport shares between a ring's token counts);
+a deferred wait's clock deadline starts when the device reaches it, and so does the host's
+bound on it. Call ``flush()`` before trusting a forward pass's outputs; ``close()`` cancels
+what is unchecked, lets the device run through the cancelled waits and records the flag
+values of replies that had arrived, so a later endpoint on the transport expects the next.
 
 Outputs equal the eager kernel endpoint's exactly: the same kernels run on the same
 values. A dispatch the device pack cannot take (too many rows for a slot) runs eagerly.
@@ -55,6 +59,7 @@ memory shows up as a stale header.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from collections import OrderedDict
@@ -161,8 +166,7 @@ class _LayerGraphs:
     """``[T, H]`` activation dtype: the combine graph's output."""
     dispatched: torch.Event | None = None
     """Recorded behind this entry's last dispatch replay (None on the CPU): once it has
-    completed, that replay has read every page-locked word the host stages for the next
-    (header words, input addresses, flag values) and read the expert-id bounds back."""
+    completed, the expert-id bounds are read back."""
     header_words: _HeaderWords | None = None
     """The replays' header words with the per-dispatch ones left to fill (made from the
     first replay's headers)."""
@@ -220,6 +224,10 @@ class _Pending:
     """``time.monotonic()`` by which the wait must have reported."""
     limit: float
     """The timeout it was enqueued with, seconds."""
+    queued: torch.Event | None
+    """Recorded right before the combine graph (None on the CPU): until it has completed,
+    the wait has not started (the host may be ahead of the device), and its deadline
+    (:attr:`limit` from then) has not begun either."""
     done: torch.Event | None
     """Recorded behind the combine graph's last node (None on the CPU)."""
     entry: _LayerGraphs
@@ -278,6 +286,8 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         self._defer = defer_checks
         self._pending: dict[int, _Pending] = {}
         """Per ring, the deferred combine not yet checked (in the order enqueued)."""
+        self._ring_dispatched: dict[int, torch.Event] = {}
+        """``defer_checks`` on a GPU: per ring, recorded behind its last dispatch."""
         self._ring_bounds: dict[int, torch.Tensor] = {}
         """Per ring, int64 ``[2]`` (page-locked on a GPU): the smallest and largest expert
         id of its last deferred combine's dispatch, read back by the combine graph."""
@@ -311,6 +321,23 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         return entry if entry is not None and entry.topk_ids.dtype == topk_ids.dtype else None
 
     def _send(self, handle: WindowDispatch, hidden_states: torch.Tensor) -> None:
+        self._await_ring_dispatch(handle.ring)
+        self._send_now(handle, hidden_states)
+        if self._defer and self.device.type == "cuda":
+            event = self._ring_dispatched.setdefault(handle.ring, torch.Event(device=self.device))
+            event.record()  # the current stream, behind this dispatch's last read of staging
+
+    def _await_ring_dispatch(self, ring: int) -> None:
+        """``defer_checks``: wait until ``ring``'s last dispatch (replayed or eager) has run.
+        The host may be layers ahead of the device, and a dispatch stages words in
+        page-locked memory that the one before on the ring may not have read yet: the
+        header words and input addresses of a (token count, ring)'s graphs, and the flag
+        values, whose block the transport shares between every token count of a ring."""
+        event = self._ring_dispatched.get(ring)
+        if event is not None and not event.query():
+            event.synchronize()
+
+    def _send_now(self, handle: WindowDispatch, hidden_states: torch.Tensor) -> None:
         num_tokens = hidden_states.shape[0]
         # The dtypes too: a kernel compiled for other pointer types would load in a capture.
         key = (num_tokens, handle.ring, handle.topk_ids.dtype, handle.topk_weights.dtype)
@@ -324,10 +351,6 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             super()._send(handle, hidden_states)
             return
         entry = self._layer_graphs(num_tokens, handle.ring, hidden_states, handle)
-        if self._defer and entry.dispatched is not None and not entry.dispatched.query():
-            # The host ran ahead (no combine waited): this entry's last dispatch replay may
-            # not have read its staged words yet, and the ones below would overwrite them.
-            entry.dispatched.synchronize()
         self._stage_inputs(entry, (hidden_states, handle.topk_ids, handle.topk_weights))
         seqs, shared_rows = self._write_headers(entry, handle)
         entry.publish.write(seqs)
@@ -451,6 +474,9 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         # own buffer, which then needs them.
         rows_in_place = fetch is not None and slot.shared_placement is SharedPlacement.ATTENTION
         hidden_address = sources[:1] if rows_in_place and sources is not None else None
+        # Deferred with a wait in the combine graph, that graph reads the bounds back (per
+        # ring); otherwise this one does (a combine without a wait checks them at once).
+        bounds_in_combine = self._defer and self._wait_of(ring) is not None
         # Each word copy once before the capture, so a kernel that does them is loaded (a
         # harmless copy each: the ring is free, and the replay rewrites the bounds).
         try:
@@ -482,7 +508,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             self._pack_rows(
                 ring, plan, entry.hidden, entry.topk_ids, entry.topk_weights, hidden_address
             )
-            if not self._defer:  # deferred: the combine graph reads them back, per ring
+            if not bounds_in_combine:
                 copy(entry.bounds_host, plan.expert_bounds)
             entry.publish.launch()
             # What the combine reads, computed while the FFN ranks work.
@@ -565,13 +591,17 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         assert entry.combine_out is not None
         ring = handle.ring
         dests, indices = self._request(handle, wait, limit, deferred=True)
+        on_gpu = self.device.type == "cuda"
+        queued = torch.Event(device=self.device) if on_gpu else None
+        if queued is not None:
+            queued.record()
         entry.combine()
         output = entry.combine_out.clone()
-        done = torch.Event(device=self.device) if self.device.type == "cuda" else None
+        done = torch.Event(device=self.device) if on_gpu else None
         if done is not None:
             done.record()  # the combine kernel and the bounds readback behind the wait
         self._pending[ring] = _Pending(
-            handle, wait, dests, indices, time.monotonic() + limit, limit, done, entry
+            handle, wait, dests, indices, time.monotonic() + limit, limit, queued, done, entry
         )
         del self._replayed[ring]
         self._release(ring)
@@ -584,7 +614,14 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         handle, wait = pending.handle, pending.wait
         peers = PeerCheck(self._transport, pending.dests)
         try:
-            status = self._await_wait(wait, peers, pending.deadline, pending.limit)
+            deadline = pending.deadline
+            if pending.queued is not None and not pending.queued.query():
+                # The device is still on work queued before the wait (each bounded: its
+                # own waits have deadlines): the wait's clock starts once it is through.
+                while not pending.queued.query():
+                    peers.when_due()
+                deadline = time.monotonic() + pending.limit
+            status = self._await_wait(wait, peers, deadline, pending.limit)
             self._raise_unless_arrived(status, handle, pending.dests, pending.limit)
             self._check_replies(handle, wait, pending.dests, pending.indices)
             if pending.done is not None:
@@ -592,8 +629,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
             low, high = (int(v) for v in self._ring_bounds[ring].tolist())
             check_expert_bounds(low, high, self._topology.num_experts)
         except BaseException:
-            for other in list(self._pending):  # their replies can no longer be trusted
-                abandon(self._pending.pop(other).wait)
+            self._cancel_pending()  # the others' replies can no longer be trusted
             raise
 
     def _raise_unless_arrived(
@@ -718,12 +754,32 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
     def close(self) -> None:
         """Close the endpoint (see the base) and drop every graph and its buffers; a
         deferred combine still unchecked is cancelled, not checked (never raises)."""
-        for ring in list(self._pending):
-            abandon(self._pending.pop(ring).wait)
+        self._cancel_pending()
         super().close()
         self._graphs.clear()
         self._replayed.clear()
         self._eager_keys.clear()
+
+    def _cancel_pending(self) -> None:
+        """Cancel every unchecked combine, let the device run through the cancelled waits
+        (each ends within a few polls), and record the flag values of those that had
+        seen every reply, so a later endpoint on the transport expects the next ones.
+        Never raises (a wait whose end cannot be confirmed keeps its buffers)."""
+        pending = [self._pending.pop(ring) for ring in list(self._pending)]
+        for item in pending:
+            item.wait.cancel()
+        if pending and self.device.type == "cuda":
+            # close() never raises: a wait not seen to end keeps its buffers (abandon).
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self.device)
+        seen = self._transport.seen
+        for item in pending:
+            if item.wait.status() == 1:
+                for index, value in zip(
+                    item.indices, item.wait.values(len(item.indices)), strict=True
+                ):
+                    seen[index] = value
+            abandon(item.wait)
 
     def _capture_combine(self, entry: _LayerGraphs, ring: int, dtype: torch.dtype) -> None:
         assert entry.plan is not None
