@@ -133,6 +133,10 @@ def main(folder: str) -> int:
     passed = sum(r[2] == "pass" for r in rows)
     skipped = sum(r[2] == "skip" for r in rows)
     print(f"tests: {passed} passed, {skipped} skipped; {failed} failed (tests and checks)")
+    # Last, so that a log's tail names them: each failed test or check, and why.
+    for kind, name, outcome in rows:
+        if outcome.startswith("FAIL"):
+            print(f"FAILED {kind}: {name} ({outcome})")
     return 1 if failed else 0
 
 
