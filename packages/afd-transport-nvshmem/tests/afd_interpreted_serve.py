@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -62,6 +63,10 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="runs in test_graphed_ffn_interpreted.py's interpreter subprocess",
 )
+
+if TYPE_CHECKING:
+    from afd_protocol import WindowLayout
+    from afd_transport_nvshmem.device_wait import WaitBlock
 
 HIDDEN = 8
 EXPERTS = 7
@@ -528,10 +533,9 @@ def test_bad_configurations_are_refused() -> None:
         ServeGraphOptions(steps_per_graph=0)
 
 
-@pytest.mark.parametrize("all_flags", [True, False])
-def test_a_wait_block_ends_at_the_first_change_or_when_all_changed(all_flags: bool) -> None:
-    """The wait kernel behind both the combine wait (every flag) and the transport's
-    DeviceWaiter (the first change): one of two watched flags changed."""
+def _attention_wait_block(all_flags: bool) -> tuple[WaitBlock, torch.Tensor, WindowLayout]:
+    """A wait kernel over attention rank 0's window of a 1A2F loopback world (two
+    peers): the block, that window's bytes and its layout."""
     from afd_transport_nvshmem.device_wait import WaitBlock, header_offsets
 
     layout = layout_of("per_choice", "attention", a=1, f=2)
@@ -547,6 +551,14 @@ def test_a_wait_block_ends_at_the_first_change_or_when_all_changed(all_flags: bo
         max_peers=2,
         all_flags=all_flags,
     )
+    return block, local, window
+
+
+@pytest.mark.parametrize("all_flags", [True, False])
+def test_a_wait_block_ends_at_the_first_change_or_when_all_changed(all_flags: bool) -> None:
+    """The wait kernel behind both the combine wait (every flag) and the transport's
+    DeviceWaiter (the first change): one of two watched flags changed."""
+    block, local, window = _attention_wait_block(all_flags)
     flag_words(local, window)[window.flag_index(1, 0)] = 7
     block.write([window.flag_index(0, 0), window.flag_index(1, 0)], [0, 0], [0, 1], 3)
     block.launch()
@@ -566,22 +578,9 @@ def test_a_cancelled_wait_block_says_so_and_the_next_write_clears_it() -> None:
         MAX_DEADLINE_US,
         STATUS_CANCELLED,
         STATUS_CHANGED,
-        WaitBlock,
-        header_offsets,
     )
 
-    layout = layout_of("per_choice", "attention", a=1, f=2)
-    world = LoopbackWorld(layout.window(ring_depth=1))
-    local = world.windows[(Role.ATTENTION, 0)]
-    window = world.window
-    block = WaitBlock(
-        flag_words(local, window),
-        abort_words(local, window),
-        local.view(torch.int32),
-        header_offsets(window, torch.device("cpu")),
-        window.slot.header_words,
-        max_peers=2,
-    )
+    block, local, window = _attention_wait_block(all_flags=True)
     watched = [window.flag_index(0, 0), window.flag_index(1, 0)]
     block.write(watched, [0, 0], [0, 1], 10_000, deadline_us=1_000_000)
     block.cancel()

@@ -14,6 +14,7 @@ from test_graphed_endpoint_loopback import (
     CountingCapture,
     dispatch_a_replay,
     jobs_of,
+    make_reply_stale,
     run_layers,
 )
 from test_kernel_endpoint_loopback import (
@@ -32,7 +33,6 @@ from afd_protocol import (
     ProtocolError,
     Role,
     Word,
-    checksum,
 )
 from afd_protocol.window import LoopbackWorld, WindowFFNEndpoint, WindowOptions, slot_view
 from afd_transport_nvshmem.combine_wait import PolledCombineWait
@@ -108,14 +108,7 @@ def test_a_stale_reply_is_named_at_flush_and_then_nothing_is_left_pending() -> N
     world = make_world(a=1, f=3, experts=7, ring_depth=1)
     attention, handle, ffns = _deferred_in_flight(world)
     linear_experts(world, layers=8).drain(ffns)
-    header = slot_view(world.windows[(Role.ATTENTION, 0)], world.window, 2, 0).header
-    words = header.tolist()
-    length = 14 + words[Word.NUM_COUNTS]
-    words[Word.ANSWER_SEQ] += 100
-    words[Word.CHECKSUM] = 0
-    crc = checksum(words[:length])
-    words[Word.CHECKSUM] = crc - (1 << 32) if crc >= 1 << 31 else crc
-    header[:length] = torch.tensor(words[:length], dtype=torch.int32)
+    make_reply_stale(world, ffn_rank=2)
     attention.combine(handle)  # enqueued: no check yet
     assert (attention.unchecked, attention.in_flight) == (1, 0)
     with pytest.raises(ProtocolError, match="stale or misdirected reply from FFN rank 2"):

@@ -461,13 +461,11 @@ def test_an_aborted_ffn_rank_ends_a_graph_wait_naming_it() -> None:
         attention.combine(handle)
 
 
-def test_a_stale_reply_is_refused_after_the_graph_wait() -> None:
-    """The wait in the graph only sees flags; the host still checks every reply's header
-    before the output is returned."""
-    world = make_world(a=1, f=3, experts=7, ring_depth=1)
-    attention, handle, ffns = _replayed_in_flight(world)
-    linear_experts(world, layers=8).drain(ffns)
-    header = slot_view(world.windows[(Role.ATTENTION, 0)], world.window, 2, 0).header
+def make_reply_stale(world: LoopbackWorld, ffn_rank: int) -> None:
+    """Rewrite the reply of ``ffn_rank`` on ring 0 of attention rank 0 as one answering
+    another dispatch (its answered sequence number moved on, the checksum made right), so
+    only the header check can tell."""
+    header = slot_view(world.windows[(Role.ATTENTION, 0)], world.window, ffn_rank, 0).header
     words = header.tolist()
     length = 14 + words[Word.NUM_COUNTS]
     words[Word.ANSWER_SEQ] += 100
@@ -475,6 +473,15 @@ def test_a_stale_reply_is_refused_after_the_graph_wait() -> None:
     crc = checksum(words[:length])
     words[Word.CHECKSUM] = crc - (1 << 32) if crc >= 1 << 31 else crc
     header[:length] = torch.tensor(words[:length], dtype=torch.int32)
+
+
+def test_a_stale_reply_is_refused_after_the_graph_wait() -> None:
+    """The wait in the graph only sees flags; the host still checks every reply's header
+    before the output is returned."""
+    world = make_world(a=1, f=3, experts=7, ring_depth=1)
+    attention, handle, ffns = _replayed_in_flight(world)
+    linear_experts(world, layers=8).drain(ffns)
+    make_reply_stale(world, ffn_rank=2)
     with pytest.raises(ProtocolError, match="stale or misdirected reply from FFN rank 2"):
         attention.combine(handle)
 

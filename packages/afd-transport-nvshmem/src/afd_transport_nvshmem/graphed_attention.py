@@ -164,9 +164,6 @@ class _LayerGraphs:
     combine: Replay | None = None
     combine_out: torch.Tensor | None = None
     """``[T, H]`` activation dtype: the combine graph's output."""
-    dispatched: torch.Event | None = None
-    """Recorded behind this entry's last dispatch replay (None on the CPU): once it has
-    completed, the expert-id bounds are read back."""
     header_words: _HeaderWords | None = None
     """The replays' header words with the per-dispatch ones left to fill (made from the
     first replay's headers)."""
@@ -220,14 +217,12 @@ class _Pending:
     """The FFN ranks it waits for, ascending."""
     indices: list[int]
     """Their flag indices on the handle's ring."""
-    deadline: float
-    """``time.monotonic()`` by which the wait must have reported."""
     limit: float
     """The timeout it was enqueued with, seconds."""
     queued: torch.Event | None
-    """Recorded right before the combine graph (None on the CPU): until it has completed,
-    the wait has not started (the host may be ahead of the device), and its deadline
-    (:attr:`limit` from then) has not begun either."""
+    """Recorded right before the combine graph (None on the CPU, where the wait ran when
+    launched): until it has completed the wait has not started (the host may be ahead of
+    the device), nor has its deadline, :attr:`limit` from then."""
     done: torch.Event | None
     """Recorded behind the combine graph's last node (None on the CPU)."""
     entry: _LayerGraphs
@@ -287,7 +282,11 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         self._pending: dict[int, _Pending] = {}
         """Per ring, the deferred combine not yet checked (in the order enqueued)."""
         self._ring_dispatched: dict[int, torch.Event] = {}
-        """``defer_checks`` on a GPU: per ring, recorded behind its last dispatch."""
+        """On a GPU, per ring, recorded behind its last dispatch (eager or replayed): once
+        complete, that dispatch has read what the host staged for it and, replayed, read
+        its expert-id range back."""
+        self._ring_combine_events: dict[int, tuple[torch.Event, torch.Event]] = {}
+        """``defer_checks`` on a GPU, per ring: recorded before and behind its combine graph."""
         self._ring_bounds: dict[int, torch.Tensor] = {}
         """Per ring, int64 ``[2]`` (page-locked on a GPU): the smallest and largest expert
         id of its last deferred combine's dispatch, read back by the combine graph."""
@@ -321,18 +320,22 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         return entry if entry is not None and entry.topk_ids.dtype == topk_ids.dtype else None
 
     def _send(self, handle: WindowDispatch, hidden_states: torch.Tensor) -> None:
-        self._await_ring_dispatch(handle.ring)
+        if self._defer:
+            # The host may be layers ahead of the device, and a dispatch stages words in
+            # page-locked memory the ring's last one may not have read yet: the header words
+            # and input addresses of a (token count, ring)'s graphs, and the flag values,
+            # whose block the transport shares between a ring's token counts. (Checked at
+            # once, the ring's last combine waited for its replies, so it has run.)
+            self._await_ring_dispatch(handle.ring)
         self._send_now(handle, hidden_states)
-        if self._defer and self.device.type == "cuda":
-            event = self._ring_dispatched.setdefault(handle.ring, torch.Event(device=self.device))
-            event.record()  # the current stream, behind this dispatch's last read of staging
+        if self.device.type == "cuda":
+            event = self._ring_dispatched.get(handle.ring)
+            if event is None:
+                event = self._ring_dispatched[handle.ring] = torch.Event(device=self.device)
+            event.record()  # the current stream
 
     def _await_ring_dispatch(self, ring: int) -> None:
-        """``defer_checks``: wait until ``ring``'s last dispatch (replayed or eager) has run.
-        The host may be layers ahead of the device, and a dispatch stages words in
-        page-locked memory that the one before on the ring may not have read yet: the
-        header words and input addresses of a (token count, ring)'s graphs, and the flag
-        values, whose block the transport shares between every token count of a ring."""
+        """Wait until ``ring``'s last dispatch has run on the device."""
         event = self._ring_dispatched.get(ring)
         if event is not None and not event.query():
             event.synchronize()
@@ -363,8 +366,6 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         assert entry.plan is not None
         entry.dispatch()
         self.replays += 1
-        if entry.dispatched is not None:
-            entry.dispatched.record()  # the current stream
         handle.plan = entry.plan
         self._replayed[handle.ring] = entry
         handle.device_segments = (
@@ -451,7 +452,6 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                     list(range(self._topology.num_ffn_ranks)),
                     self._window.flag_index(self._rank, ring),
                 ),
-                dispatched=torch.Event(device=self.device) if on_gpu else None,
             )
             if self._kernels.fetch_inputs is not None:
                 sources = torch.zeros(3, dtype=torch.int64, pin_memory=on_gpu)
@@ -474,9 +474,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         # own buffer, which then needs them.
         rows_in_place = fetch is not None and slot.shared_placement is SharedPlacement.ATTENTION
         hidden_address = sources[:1] if rows_in_place and sources is not None else None
-        # Deferred with a wait in the combine graph, that graph reads the bounds back (per
-        # ring); otherwise this one does (a combine without a wait checks them at once).
-        bounds_in_combine = self._defer and self._wait_of(ring) is not None
+        bounds_in_combine = self._bounds_in_combine(ring)
         # Each word copy once before the capture, so a kernel that does them is loaded (a
         # harmless copy each: the ring is free, and the replay rewrites the bounds).
         try:
@@ -591,22 +589,29 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         assert entry.combine_out is not None
         ring = handle.ring
         dests, indices = self._request(handle, wait, limit, deferred=True)
-        on_gpu = self.device.type == "cuda"
-        queued = torch.Event(device=self.device) if on_gpu else None
+        queued, done = self._combine_events(ring)
         if queued is not None:
             queued.record()
         entry.combine()
         output = entry.combine_out.clone()
-        done = torch.Event(device=self.device) if on_gpu else None
         if done is not None:
             done.record()  # the combine kernel and the bounds readback behind the wait
-        self._pending[ring] = _Pending(
-            handle, wait, dests, indices, time.monotonic() + limit, limit, queued, done, entry
-        )
+        self._pending[ring] = _Pending(handle, wait, dests, indices, limit, queued, done, entry)
         del self._replayed[ring]
         self._release(ring)
         self.graph_waits += 1
         return output
+
+    def _combine_events(self, ring: int) -> tuple[torch.Event | None, torch.Event | None]:
+        """``ring``'s two events around a deferred combine graph (made once; the ring's
+        combine before was checked first), or Nones on the CPU."""
+        if self.device.type != "cuda":
+            return None, None
+        events = self._ring_combine_events.get(ring)
+        if events is None:
+            events = (torch.Event(device=self.device), torch.Event(device=self.device))
+            self._ring_combine_events[ring] = events
+        return events
 
     def _settle(self, ring: int) -> None:
         """Check the deferred combine of ``ring`` (see :meth:`flush`)."""
@@ -614,13 +619,11 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         handle, wait = pending.handle, pending.wait
         peers = PeerCheck(self._transport, pending.dests)
         try:
-            deadline = pending.deadline
-            if pending.queued is not None and not pending.queued.query():
-                # The device is still on work queued before the wait (each bounded: its
-                # own waits have deadlines): the wait's clock starts once it is through.
-                while not pending.queued.query():
-                    peers.when_due()
-                deadline = time.monotonic() + pending.limit
+            # Work queued before the wait is bounded (its own waits have deadlines); the
+            # wait's clock starts once the device is through it.
+            while pending.queued is not None and not pending.queued.query():
+                peers.when_due()
+            deadline = time.monotonic() + pending.limit
             status = self._await_wait(wait, peers, deadline, pending.limit)
             self._raise_unless_arrived(status, handle, pending.dests, pending.limit)
             self._check_replies(handle, wait, pending.dests, pending.indices)
@@ -724,8 +727,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
 
     def _check_bounds(self, entry: _LayerGraphs, ring: int) -> None:
         """The expert-id range check of a replayed dispatch (read back behind its pack)."""
-        if entry.dispatched is not None and not entry.dispatched.query():
-            entry.dispatched.synchronize()
+        self._await_ring_dispatch(ring)  # the dispatch in flight on it: this entry's
         low, high = (int(v) for v in entry.bounds_host.tolist())
         if low < 0 or high >= self._topology.num_experts:
             del self._replayed[ring]
@@ -793,7 +795,7 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
         inputs = self._combine_inputs(ring, segments, entry.wire_position, weights, dtype)
 
         wait = self._wait_of(ring)
-        bounds = self._bounds_of(ring) if self._defer and wait is not None else None
+        bounds = self._bounds_of(ring) if self._bounds_in_combine(ring) else None
         copy = self._kernels.copy_words
 
         def body() -> torch.Tensor:
@@ -820,6 +822,12 @@ class GraphedAttentionEndpoint(KernelAttentionEndpoint):
                 wait.prepare()
                 self._waits[ring] = wait
         return wait
+
+    def _bounds_in_combine(self, ring: int) -> bool:
+        """Whether ``ring``'s combine graph reads the expert-id range back (deferred, with a
+        wait in it: checked later, per ring) rather than its dispatch graph (checked as
+        soon as the combine has its replies)."""
+        return self._defer and self._wait_of(ring) is not None
 
     def _bounds_of(self, ring: int) -> torch.Tensor:
         """``ring``'s deferred bounds readback buffer (made on first use)."""
