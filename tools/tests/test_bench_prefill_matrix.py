@@ -383,6 +383,8 @@ class SmallMatrix:
     """Its ``--json``."""
     docs: str
     """The ``--docs`` file after the run."""
+    plots: Path
+    """Its ``--plots`` directory (made by the benchmark)."""
 
 
 SMALL_QUICK = dataclasses.replace(QUICK, max_prompt_len=256, budget=512)
@@ -400,7 +402,7 @@ def small_matrix(tmp_path_factory: pytest.TempPathFactory) -> SmallMatrix:
     (``--run-arg=--device --run-arg=cpu``: one option over two, run end to end here); the
     joined form's jobs are checked without running, above and in test_sharing.py."""
     tmp = tmp_path_factory.mktemp("small-matrix")
-    report, docs = tmp / "matrix.json", tmp / "benchmarks.md"
+    report, docs, plots = tmp / "matrix.json", tmp / "benchmarks.md", tmp / "plots" / "new"
     docs.write_text(
         "# head\n<!-- afd bench prefill -->\nold table\n<!-- /afd bench prefill -->\nafter\n"
     )
@@ -408,7 +410,7 @@ def small_matrix(tmp_path_factory: pytest.TempPathFactory) -> SmallMatrix:
         "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
         "--layout", "2:1", "--stages", "1", "--stages", "2", "--rate", "40",
         "--ttft-slo", "5", "--run-arg=--device", "--run-arg=cpu", "--json", str(report),
-        "--docs", str(docs), "--warm-up", "on",
+        "--docs", str(docs), "--warm-up", "on", "--plots", str(plots),
     ]  # fmt: skip
     from afd_tools.bench import prefill
 
@@ -417,7 +419,8 @@ def small_matrix(tmp_path_factory: pytest.TempPathFactory) -> SmallMatrix:
         patch.setattr(prefill, "QUICK", SMALL_QUICK)
         code = main(argv)
     assert code == 0, printed.getvalue()
-    return SmallMatrix(printed.getvalue(), json.loads(report.read_text()), docs.read_text())
+    data = json.loads(report.read_text())
+    return SmallMatrix(printed.getvalue(), data, docs.read_text(), plots)
 
 
 @pytest.mark.timeout(600)  # the fixture's run counts against the first test that uses it
@@ -467,6 +470,44 @@ def test_bench_prefill_runs_every_mode_verified_and_replaces_the_docs_table(
     assert runs[0]["exit_code"] == 0
     assert runs[0]["report"]["verification_failures"] == {}
     assert "--workload-file" in runs[0]["command"]
+
+
+@pytest.mark.timeout(600)  # the fixture's run counts against the first test that uses it
+def test_plots_holds_one_timeline_per_timed_run_and_none_for_the_warm_up(
+    small_matrix: SmallMatrix,
+) -> None:
+    """``--plots DIR`` (made with its parents): each timed run's ``afd run --plot``, named
+    by its place in the matrix; the warm-up writes none."""
+    names = sorted(path.name for path in small_matrix.plots.iterdir())
+    assert names == ["tiny-uniform-2A1F-rate40-n1-run1.png", "tiny-uniform-2A1F-rate40-n2-run1.png"]
+    for name in names:
+        data = (small_matrix.plots / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
+        assert len(data) > 10_000, (name, len(data))  # panels drawn, not an empty canvas
+    runs = small_matrix.data["runs"]
+    for run, name in zip(runs, names, strict=True):
+        assert f"--plot {small_matrix.plots / name}" in run["command"]
+    assert "--plot" not in small_matrix.data["warm_up"][0]["command"]
+
+
+def test_plots_that_names_a_file_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afd_tools.bench import prefill
+
+    def never(job: RunJob) -> tuple[int, RunReport | None]:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(prefill, "run_in_fresh_process", never)
+    taken = tmp_path / "taken.png"
+    taken.write_bytes(b"keep")
+    argv = [
+        "bench", "prefill", "--quick", "--preset", "tiny", "--workload", "uniform",
+        "--run-arg=--device=cpu", "--plots", str(taken),
+    ]  # fmt: skip
+    assert main(argv) == 2
+    assert f"--plots {taken} is a file; give a directory" in capsys.readouterr().err
+    assert taken.read_bytes() == b"keep"
 
 
 def test_check_sweeps_is_what_refuses(tmp_path: Path) -> None:

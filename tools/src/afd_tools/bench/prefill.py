@@ -44,6 +44,7 @@ through ``--run-arg``, one argument each, written with ``=``: ``--run-arg=--devi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -197,6 +198,15 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload and weights")
     p.add_argument("--json", type=Path, default=None, help="write every run's report here")
     p.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write each timed run's timeline (afd run --plot: a row per rank, a bar per "
+        "batch or FFN item, a panel per mode) into this directory, created if missing, one "
+        "PNG per run named by preset, workload, A:F, share, rate, stages and launch",
+    )
+    p.add_argument(
         "--docs",
         type=Path,
         default=None,
@@ -270,6 +280,13 @@ def run_prefill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.plots is not None and args.plots.exists() and not args.plots.is_dir():
+        print(
+            f"afd bench prefill: error: --plots {args.plots} is a file; give a directory "
+            f"(it is created if missing)",
+            file=sys.stderr,
+        )
+        return 2
     if (args.resume or args.time_budget is not None) and args.json is None:
         print(
             "afd bench prefill: error: --resume and --time-budget keep the runs in the "
@@ -286,6 +303,15 @@ def run_prefill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.plots is not None:
+        try:
+            args.plots.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(
+                f"afd bench prefill: error: cannot make --plots {args.plots}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
     started = time.perf_counter()
     sweeps = sweeps_of(args)
     results: list[BenchRun] = []
@@ -378,6 +404,8 @@ def run_prefill(args: argparse.Namespace) -> int:
             if index in warm_ups:
                 command, code, wall, _ = _run_announced(warm_ups[index], "warm-up, not timed")
                 warmed.append({"command": command, "exit_code": code, "wall_s": wall})
+            if args.plots is not None:
+                job = dataclasses.replace(job, plot=args.plots / point.plot_name)
             command, code, wall, report = _run_announced(job, f"{index + 1}/{len(runs)}")
             del unfinished[index]
             results.append(BenchRun(point, command, code, wall, report))

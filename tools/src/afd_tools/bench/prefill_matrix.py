@@ -163,6 +163,19 @@ class Point:
     def layout(self) -> str:
         return f"{self.attention_ranks}A{self.ffn_ranks}F"
 
+    @property
+    def plot_name(self) -> str:
+        """The file name of this run's timeline under ``--plots`` (one per run of a
+        matrix): preset, workload, A:F, share, rate, stages and launch, e.g.
+        ``v3-slice-long-2A1F-a25-rate2-n2-run1.png``."""
+        parts = [self.preset, self.workload, self.layout]
+        if self.attention_share is not None:
+            parts.append(f"a{self.attention_share}")
+        if self.rate is not None:
+            parts.append(f"rate{self.rate:g}")
+        parts += [f"n{self.stages}", f"run{self.repeat + 1}"]
+        return "-".join(parts) + ".png"
+
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "modes": list(self.modes)}
 
