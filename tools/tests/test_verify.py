@@ -309,3 +309,80 @@ def test_json_safe_writes_non_finite_floats_as_strings() -> None:
     safe = json_safe(report)
     assert safe == {"a": [1.0, "nan", ["inf", "-inf"]], "b": {"c": 2}, "d": "x"}
     assert strict_json(json.dumps(safe, allow_nan=False)) == safe
+
+
+class _FlakyReference:
+    """The monolithic model whose forward passes listed by index (0 = the first) come out
+    scaled by 1 + 1e-4: a reference replay that goes wrong once, as one did on a loaded
+    CI machine."""
+
+    def __init__(self, model: MonolithicModel, wrong_calls: set[int]) -> None:
+        self.model, self.config = model, model.config
+        self.wrong_calls, self.calls = wrong_calls, 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model.forward(*args, **kwargs)
+        if self.calls in self.wrong_calls:
+            with torch.inference_mode():
+                out.hidden_states.mul_(1 + 1e-4)
+        self.calls += 1
+        return out
+
+
+def _verify_with(
+    reference: Any, result: ModeResult, tolerance: float | None
+) -> tuple[Any, list[str]]:
+    notes: list[str] = []
+    values = [{"async": result, "sync": result}]
+    checks = verify(
+        reference, [(["async", "sync"], [], values, [])], prompts(reference.model), MARGIN,
+        tolerance, notes,
+    )  # fmt: skip
+    return checks, notes
+
+
+def test_a_reference_replay_that_went_wrong_once_is_replayed_and_named(
+    model: MonolithicModel,
+) -> None:
+    """The first replay (two steps: forward calls 0 and 1) is off; the second and third
+    agree: the run is checked against them and passes, with a note. Without a tolerance
+    (no confirmation) the same run fails: the check above can fail."""
+    result = run_steps(model)
+    checks, notes = _verify_with(_FlakyReference(model, {0, 1}), result, 1e-5)
+    assert all(c.error == 0.0 for mode in checks.values() for c in mode.values()), checks
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(
+        "the reference's first replay of the replica with requests [0, 1, 2] differed from "
+        "two later ones that agree bitwise (largest relative difference 1.0e-04"
+    )
+    unconfirmed, notes = _verify_with(_FlakyReference(model, {0, 1}), result, None)
+    assert all(c.problem(1e-5) for c in unconfirmed["async"].values())
+    assert notes == []
+
+
+def test_a_run_that_differs_fails_against_a_replay_that_reproduces(
+    model: MonolithicModel,
+) -> None:
+    """A run off by 1e-4 in one request: the second replay agrees with the first, so the
+    failure stands after one more replay (2 steps x 2 replays), with no note; the replay
+    of sync, which ran the same steps, is reused."""
+    result = run_steps(model)
+    result.last_hidden[1] = result.last_hidden[1] * (1 + 1e-4)
+    reference = _FlakyReference(model, set())
+    checks, notes = _verify_with(reference, result, 1e-5)
+    for mode in ("async", "sync"):
+        assert checks[mode][1].problem(1e-5) == "relative error 1.00e-04", checks[mode][1]
+        assert checks[mode][0].error == checks[mode][2].error == 0.0
+    assert notes == []
+    assert reference.calls == 2 * 2 + 2  # async: replay + confirmation; sync: confirmation
+
+
+def test_replays_that_never_agree_leave_the_failure_and_say_so(model: MonolithicModel) -> None:
+    result = run_steps(model)
+    reference = _FlakyReference(model, {0, 1, 4, 5})  # first and third replay off, second not
+    checks, notes = _verify_with(reference, result, 1e-5)
+    assert all(c.problem(1e-5) for c in checks["async"].values())
+    assert notes[0] == (
+        "the reference's replays of the replica with requests [0, 1, 2] differ from each "
+        "other (three replays); checked against the first"
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -220,7 +221,10 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
         for _, requests, _, _ in outcomes
         for r in requests
     }
-    checks = verify(reference, outcomes, prompts, job.margin)
+    notes: list[str] = []
+    checks = verify(reference, outcomes, prompts, job.margin, job.tolerance, notes)
+    for note in notes:
+        print(f"afd run: verification: {note}", file=sys.stderr, flush=True)
     del reference
     return checks
 

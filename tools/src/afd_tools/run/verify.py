@@ -221,14 +221,40 @@ def _first_wrong(hook: TieFollower, layers: Sequence[int], rows: slice, begin: i
     )
 
 
+def same_replay(a: ReplicaReplay, b: ReplicaReplay) -> bool:
+    """Whether two replays of the same steps gave bitwise the same outputs and routing."""
+    return (
+        a.outputs.keys() == b.outputs.keys()
+        and all(torch.equal(a.outputs[rid], b.outputs[rid]) for rid in a.outputs)
+        and len(a.own) == len(b.own)
+        and all(torch.equal(x, y) for x, y in zip(a.own, b.own, strict=True))
+    )
+
+
+def _largest_difference(a: ReplicaReplay, b: ReplicaReplay) -> float:
+    return max((relative_error(a.outputs[rid], b.outputs[rid]) for rid in a.outputs), default=0.0)
+
+
 @dataclass
 class Verifier:
     """Replays every replica of every mode and checks each request (see the module
     docstring); a plain replay is reused for a replica of another mode that ran the same
-    steps and routed every token as it did."""
+    steps and routed every token as it did.
+
+    With a ``tolerance``, a replica with a failing request is replayed again before the
+    failure is reported: the reference is meant to be deterministic (a passing run matches
+    it bitwise), so a second replay that agrees with the first confirms the failure. One
+    that does not, and a third that agrees with the second, say the first replay itself
+    went wrong (seen once on a loaded 2-core CI machine: one replay of a replica off by
+    ~1e-4 on the rows of four requests, then never reproduced in ~500 replays); the run is
+    then checked against the later replays and :attr:`notes` says so. A run that really
+    differs fails against every replay."""
 
     reference: MonolithicModel
     margin: float
+    tolerance: float | None = None
+    notes: list[str] = field(default_factory=list)
+    """One line per replica whose reference replay did not reproduce."""
     _plain: dict[tuple[Any, ...], ReplicaReplay] = field(default_factory=dict)
 
     def replica(
@@ -251,8 +277,35 @@ class Verifier:
 
     def check(self, prompts: Mapping[int, torch.Tensor], result: Any) -> dict[int, RequestCheck]:
         """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`."""
-        recorded = getattr(result, "routing", None)
-        replay = self.replica(prompts, result.steps, recorded or None)
+        recorded = getattr(result, "routing", None) or None
+        replay = self.replica(prompts, result.steps, recorded)
+        checks = self._against(replay, result)
+        tolerance = self.tolerance
+        if tolerance is None or not any(c.problem(tolerance) for c in checks.values()):
+            return checks
+        again = replay_replica(self.reference, prompts, result.steps, recorded, self.margin)
+        if same_replay(replay, again):
+            return checks  # the reference reproduces: the failure stands
+        third = replay_replica(self.reference, prompts, result.steps, recorded, self.margin)
+        requests = sorted(result.last_hidden)
+        if not same_replay(again, third):
+            self.notes.append(
+                f"the reference's replays of the replica with requests {requests} differ "
+                f"from each other (three replays); checked against the first"
+            )
+            return checks
+        self.notes.append(
+            f"the reference's first replay of the replica with requests {requests} differed "
+            f"from two later ones that agree bitwise (largest relative difference "
+            f"{_largest_difference(replay, again):.1e}); checked against the later ones"
+        )
+        key = tuple(tuple(step) for step in result.steps)
+        if self._plain.get(key) is replay:
+            self._plain[key] = again
+        return self._against(again, result)
+
+    @staticmethod
+    def _against(replay: ReplicaReplay, result: Any) -> dict[int, RequestCheck]:
         return {
             rid: check_request(hidden, replay.outputs[rid], replay.counts.get(rid))
             for rid, hidden in result.last_hidden.items()
@@ -380,16 +433,22 @@ def verify(
     outcomes: Sequence[tuple[Sequence[str], Sequence[Any], Sequence[Mapping[str, Any]], Any]],
     prompts: Mapping[int, torch.Tensor],
     margin: float,
+    tolerance: float | None = None,
+    notes: list[str] | None = None,
 ) -> Checks:
     """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
-    per-replica results by mode, FFN intervals) against ``reference``."""
-    verifier = Verifier(reference, margin)
+    per-replica results by mode, FFN intervals) against ``reference``; with a
+    ``tolerance``, a failure is confirmed by a second replay (:class:`Verifier`), and
+    ``notes`` receives a line for each replay that did not reproduce."""
+    verifier = Verifier(reference, margin, tolerance)
     checks: Checks = {}
     for modes, _, values, _ in outcomes:
         for mode in modes:
             checks[mode] = {}
             for replica in values:
                 checks[mode].update(verifier.check(prompts, replica[mode]))
+    if notes is not None:
+        notes.extend(verifier.notes)
     return checks
 
 
@@ -406,5 +465,6 @@ __all__ = [
     "check_request",
     "not_finite",
     "replay_replica",
+    "same_replay",
     "verify",
 ]
