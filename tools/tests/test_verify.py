@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from afd_replica_records import record_steps
 
 from afd_models import KVCache, MonolithicModel, PromptChunk, RandomWeights, Selection
 from afd_models import preset as make_preset
@@ -52,26 +53,13 @@ def prompts(model: MonolithicModel) -> dict[int, torch.Tensor]:
 
 def run_steps(model: MonolithicModel, plant: Plant | None = None) -> ModeResult:
     """What a replica of the monolithic model records, with ``plant`` choosing its experts."""
-    tokens = prompts(model)
-    log = RoutingLog(model.config.moe_layers)
-    result = ModeResult()
 
-    def choose(layer: int, selection: Selection) -> torch.Tensor:
+    def choose(log: RoutingLog, layer: int, selection: Selection) -> torch.Tensor:
         if plant is not None:
             selection = dataclasses.replace(selection, ids=plant(layer, selection))
         return log(layer, selection)
 
-    cache = KVCache()
-    for step in STEPS:
-        entries = [PromptChunk(r, tokens[r][b:e], b, final) for r, b, e, final in step]
-        out = model.forward(entries, compute_logits=False, cache=cache, select=choose)
-        result.steps.append(step)
-        result.routing.append(log.take())
-        last = out.last_hidden_states().float()
-        for row, (rid, _, _, final) in enumerate(step):
-            if final:
-                result.last_hidden[rid] = last[row].clone()
-    return result
+    return record_steps(model, prompts(model), STEPS, choose)
 
 
 def checks_of(

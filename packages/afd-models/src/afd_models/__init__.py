@@ -3,7 +3,8 @@
 * :class:`DeepseekConfig` (from a Hugging Face ``config.json``) and :func:`preset`
   (``tiny``, ``v2-lite``, ``v3-mini``, ``v3-slice``).
 * Weights: :class:`RandomWeights` (deterministic per parameter name),
-  :class:`SafetensorsWeights`, :func:`save_checkpoint`, :class:`WeightSelection` (what
+  :class:`SafetensorsWeights`, :class:`RoundedWeights` (a lower-precision model's float32
+  twin), :func:`save_checkpoint`, :class:`WeightSelection` (what
   each role materialises).
 * Layers: :class:`RMSNorm`, :class:`RotaryEmbedding` (YaRN), :class:`MLAttention`,
   :class:`GatedMLP`, :class:`Router` (with its :class:`Selection` for select hooks),
@@ -60,6 +61,7 @@ from afd_models.router import LayerSelect, Router, Routing, Select, Selection
 from afd_models.scaling import BranchScales
 from afd_models.weights import (
     RandomWeights,
+    RoundedWeights,
     SafetensorsWeights,
     WeightSource,
     materialize,
@@ -106,6 +108,7 @@ __all__ = [
     "ReferenceBackend",
     "RopeScaling",
     "RotaryEmbedding",
+    "RoundedWeights",
     "Router",
     "Routing",
     "SafetensorsWeights",

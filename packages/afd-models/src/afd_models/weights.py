@@ -166,6 +166,30 @@ class SafetensorsWeights(WeightSource):
         return f"checkpoint {self.path}"
 
 
+class RoundedWeights(WeightSource):
+    """Another source's parameters rounded to ``rounding`` (e.g. bfloat16) and handed out
+    at any dtype: the float32 *twin* of a lower-precision model. A model built from it in
+    float32 computes the same function as the ``rounding`` model built from ``source``
+    (every weight equal) with float32 arithmetic, so how far each is from the twin
+    separates arithmetic rounding from a real difference. Specs kept in float32
+    (``ParamSpec.float32``) are passed through unrounded, as the lower-precision model
+    keeps them."""
+
+    def __init__(self, source: WeightSource, rounding: torch.dtype) -> None:
+        super().__init__()
+        self.source = source
+        self.rounding = rounding
+
+    def _load(self, spec: ParamSpec) -> torch.Tensor:
+        tensor = self.source._load(spec)
+        if spec.float32:
+            return tensor
+        return tensor.to(self.rounding).to(torch.float32)
+
+    def describe(self) -> str:
+        return f"{self.source.describe()}, rounded to {str(self.rounding).removeprefix('torch.')}"
+
+
 def materialize(
     config: DeepseekConfig,
     source: WeightSource,

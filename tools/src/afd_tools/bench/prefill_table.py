@@ -277,7 +277,8 @@ def best_split_notes(results: Sequence[BenchRun]) -> list[str]:
 
 
 def verified(report: RunReport, mode: str) -> str:
-    """The table's verdict for one mode: yes or no, the worst error, near ties followed.
+    """The table's verdict for one mode: yes or no, the worst error, near ties followed,
+    requests over the tolerance that passed against the float32 twin.
 
     A worst error that is missing (``None``: not finite) or not a finite number is a
     failure whatever the failures list says."""
@@ -294,4 +295,9 @@ def verified(report: RunReport, mode: str) -> str:
     followed = verification.get("verification_near_ties", {}).get(mode, {}).get("followed", 0)
     if followed:
         verdict += f", {followed} near ties followed"
+    twins = verification.get("verification_twin", {}).get(mode, {})
+    by_twin = sum(1 for t in twins.values() if t.get("passed") is True)
+    if by_twin and not failed:
+        factor = verification.get("verification_drift_factor")
+        verdict += f", {by_twin} within {factor:g}x the reference's drift from the float32 twin"
     return verdict

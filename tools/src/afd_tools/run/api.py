@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from afd_models import MonolithicModel
+from afd_models import MonolithicModel, RoundedWeights
 from afd_tools.prefill.metrics import ModeSummary, ratios, summarize
 from afd_tools.prefill.run_report import RunReport
 from afd_tools.run import ranks
@@ -208,7 +208,8 @@ def _forward_progress(
 def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
     """Check every request of every mode against the monolithic model on the first
     attention replica's device, with the FFN ranks' expert backend, replaying each
-    replica's own steps and following its expert choice at routing near ties
+    replica's own steps and following its expert choice at routing near ties; in bfloat16 a
+    request that misses the tolerance is checked against the float32 twin too
     (:mod:`afd_tools.run.verify`)."""
     job, config = plan.job, plan.config
     dtype = getattr(torch, job.resolved("dtype"))
@@ -221,8 +222,17 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
         for _, requests, _, _ in outcomes
         for r in requests
     }
+
+    def twin() -> MonolithicModel:
+        """The reference's float32 twin: its weights rounded to the run's dtype."""
+        rounded = RoundedWeights(ranks.random_weights(job.seed, torch.device(device)), dtype)
+        return MonolithicModel(config, rounded, dtype=torch.float32, device=device)
+
     notes: list[str] = []
-    checks = verify(reference, outcomes, prompts, job.margin, job.tolerance, notes)
+    lower = dtype != torch.float32
+    checks = verify(
+        reference, outcomes, prompts, job.margin, job.tolerance, notes, twin if lower else None
+    )
     for note in notes:
         print(f"afd run: verification: {note}", file=sys.stderr, flush=True)
     del reference
