@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from afd_models import AttentionRoleModel, LayerSelect, Selection
-from afd_protocol import Connection
+from afd_models import AttentionRoleModel, FFNRoleExecutor, LayerSelect, Selection
+from afd_protocol import Connection, WorkItem
 from afd_tools.run import ranks
 from afd_tools.run.verify import TIE_MARGIN
 
@@ -86,4 +86,27 @@ def near_tie_replica(connection: Connection, **kwargs: Any) -> dict[str, Any]:
 
     _with_plant(lambda n: swap_near_ties)
     result: dict[str, Any] = ranks.attention_replica(connection, **kwargs)
+    return result
+
+
+EXCHANGE_SCALE = 1.03
+"""How far off :func:`scaled_exchange_ffn_rank` makes one layer's replies: about the
+bf16 tolerance, and small enough to vanish in the final hidden states."""
+
+
+def scaled_exchange_ffn_rank(connection: Connection, **kwargs: Any) -> dict[str, Any]:
+    """An FFN rank whose routed replies at the first MoE layer are :data:`EXCHANGE_SCALE`
+    times the experts' output (a wrong weight or scale on the FFN side); every other
+    layer is right."""
+    first = kwargs["config"].moe_layers[0]
+    original = FFNRoleExecutor.compute
+
+    def compute(self: FFNRoleExecutor, item: WorkItem) -> tuple[torch.Tensor, Any]:
+        routed, shared = original(self, item)
+        if item.layer == first:
+            routed = routed * EXCHANGE_SCALE
+        return routed, shared
+
+    FFNRoleExecutor.compute = compute  # type: ignore[method-assign]
+    result: dict[str, Any] = ranks.ffn_rank(connection, **kwargs)
     return result

@@ -135,6 +135,34 @@ def test_a_planted_wrong_expert_and_a_nan_fail_naming_request_mode_and_layer(
     assert data["verification_reasons"]["async"]["1"].startswith("not finite: the run's output")
 
 
+def test_a_wrong_exchange_at_one_layer_fails_though_the_final_states_are_within_tolerance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FFN rank's replies at the first MoE layer are 3 % too large (every other layer
+    right): in bf16 the requests' final states stay within the 2e-2 tolerance, but the
+    exchange, checked layer by layer at each chunk's last token, fails by name."""
+    import afd_run_plants
+
+    from afd_tools.run import ranks
+
+    monkeypatch.setattr(ranks, "ffn_rank", afd_run_plants.scaled_exchange_ffn_rank)
+    report = tmp_path / "run.json"
+    assert main([*ONE_PAIR, "--dtype", "bfloat16", "--json", str(report)]) == 1
+    fail = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL"))
+    assert "the MoE exchange at layer 1 returned token " in fail
+    data = _strict_json(report.read_text())
+    failed = data["verification_failures"]["async"]
+    assert len(failed) == 8  # every request: each chunk's last token goes through layer 1
+    reasons = data["verification_reasons"]["async"]
+    for rid in failed:
+        assert reasons[str(rid)].startswith("the MoE exchange at layer 1 returned token "), reasons
+    within = [r for r in failed if data["verification_errors"]["async"][str(r)] <= 2e-2]
+    assert within, data["verification_errors"]  # the final states alone would have passed
+    worst = data["verification_exchanges"]["async"]
+    assert worst["layer"] == 1
+    assert 2e-2 < worst["worst"] < 4e-2  # the planted 3 %, give or take one layer's rounding
+
+
 def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

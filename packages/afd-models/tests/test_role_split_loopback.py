@@ -157,6 +157,44 @@ def test_replica_of_two_participants_and_grouped_mm_ffn(wire: str, reduce: str) 
         assert all(replica == 0 for replica, _, _ in stats.served)
 
 
+@pytest.mark.parametrize("shared", ["attention", "ffn"])
+def test_the_observed_exchange_is_what_the_experts_give(shared: str) -> None:
+    """An observer sees every MoE layer of every stage once, its rows in order; what the
+    combine returned for them is the reference layer's ``exchanged`` on the same rows,
+    experts and weights (with the shared experts exactly when they ran on the FFN side)."""
+    config = make_preset("v3-mini")
+    world = LoopbackWorld(window_for("v3-mini", 1, 2, shared=shared, wire="per_rank",
+                                     reduce="ffn"))  # fmt: skip
+    threads, _ = serve_in_threads(world, "v3-mini", torch.float32, shared, "reference")
+    endpoint = world.connection(Role.ATTENTION, 0).attention_endpoint(EndpointOptions(timeout=20.0))
+    model = AttentionRoleModel(config, RandomWeights(SEED), shared_placement=shared)
+    seen: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def observe(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                out: torch.Tensor) -> None:  # fmt: skip
+        seen.append((layer, x.shape[0], x.clone(), ids.clone(), w.clone(), out.clone()))
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [400, 3, 2]]
+    try:
+        model.forward(prompts, endpoint, num_stages=2, observe=observe)
+    finally:
+        endpoint.announce_shutdown()
+    for t in threads:
+        t.join(timeout=30)
+    moe = list(config.moe_layers)
+    assert [layer for layer, *_ in seen] == [layer for layer in moe for _ in range(2)]
+    assert all(rows for _, rows, *_ in seen)
+    assert sum(rows for layer, rows, *_ in seen if layer == moe[0]) == 11  # every token once
+    reference = MonolithicModel(config, RandomWeights(SEED))
+    for layer, _, x, ids, w, out in seen:
+        assert ids.dtype == torch.int64
+        assert w.dtype == torch.float32
+        expected = reference.moe_layers[layer].exchanged(x, ids, w, with_shared=shared == "ffn")
+        assert naive.relative_error(out, expected) <= 1e-5, layer
+        other = reference.moe_layers[layer].exchanged(x, ids, w, with_shared=shared != "ffn")
+        assert naive.relative_error(out, other) > 1e-3  # the shared experts are a real part
+
+
 def test_float16_with_shared_experts_on_the_ffn_side() -> None:
     """The float16 rule (shared branch scaled down, on the FFN rank) matches monolithic."""
     config = make_preset("v3-mini")

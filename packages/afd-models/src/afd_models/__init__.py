@@ -19,7 +19,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from afd_models.attention import MLAttention
-from afd_models.attention_role import AttentionRoleModel, AttentionRunStats
+from afd_models.attention_role import AttentionRoleModel, AttentionRunStats, ExchangeObserver
 from afd_models.backends import (
     ExpertBackend,
     GroupedMMBackend,
@@ -84,6 +84,7 @@ __all__ = [
     "ConfigError",
     "DeepseekConfig",
     "DeviceError",
+    "ExchangeObserver",
     "ExpertBackend",
     "ExpertStack",
     "ExpertWeights",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,16 @@ from afd_models.schedule import run_prefill
 from afd_models.trunk import Trunk
 from afd_models.weights import WeightSource
 from afd_protocol import AttentionEndpoint, DispatchHandle, SharedPlacement
+
+ExchangeObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""A forward's observer of the MoE exchange, called at every MoE layer once its combine
+returned (layers in order; with several stages, a layer's stages in order, each with its
+rows of the batch): ``(layer, x, topk_ids, weights, out)`` with ``x [t, H]`` the rows
+dispatched (model dtype), ``topk_ids`` int64 ``[t, k]`` the experts they went to,
+``weights`` float32 ``[t, k]`` the top-k weights times the routed scale, and ``out
+[t, H]`` what the combine returned (model dtype; the shared experts included when they run
+on the FFN ranks); every tensor on the model's device, the observer's to copy before the
+next layer (they are reused)."""
 
 
 @dataclass
@@ -88,6 +98,7 @@ class AttentionRoleModel:
         compute_logits: bool = True,
         cache: KVCache | None = None,
         select: LayerSelect | None = None,
+        observe: ExchangeObserver | None = None,
     ) -> PrefillOutput:
         """Prefill ``prompts`` with the routed experts served through ``endpoint``, in
         ``num_stages`` stages (fewer where the batch has under ``min_stage_tokens`` tokens
@@ -97,7 +108,9 @@ class AttentionRoleModel:
         ``cache`` the caller keeps between calls (chunked prefill: the earlier chunks'
         compressed MLA keys stay on this rank). ``select`` sees every MoE layer's routing
         (each stage's rows) and may replace its top-k
-        (:data:`~afd_models.router.LayerSelect`): what it returns is what is dispatched."""
+        (:data:`~afd_models.router.LayerSelect`): what it returns is what is dispatched.
+        ``observe`` sees every MoE layer's exchange, what went out and what came back
+        (:data:`ExchangeObserver`): what a check of the exchange against the experts needs."""
         if endpoint.dtype != self.dtype:
             raise ConfigError(
                 f"the window carries {endpoint.dtype} but this model runs in {self.dtype}; "
@@ -111,7 +124,7 @@ class AttentionRoleModel:
             )
         batch = PromptBatch.from_prompts(prompts, self.device)
         self.stats = AttentionRunStats()
-        remote = _RemoteMoE(self, endpoint, select)
+        remote = _RemoteMoE(self, endpoint, select, observe)
         with torch.inference_mode():
             out = run_prefill(
                 self.trunk,
@@ -140,11 +153,13 @@ class _RemoteMoE:
         model: AttentionRoleModel,
         endpoint: AttentionEndpoint,
         select: LayerSelect | None = None,
+        observe: ExchangeObserver | None = None,
     ) -> None:
         self.model = model
         self.endpoint = endpoint
         self.routed_scale = model.trunk.scales.routed
         self.select = select
+        self.observe = observe
 
     def begin(self, layer: int, stage: int, x: torch.Tensor) -> Any:
         router = self.model.trunk.router(layer)
@@ -161,7 +176,8 @@ class _RemoteMoE:
         stats.layers.append(layer)
         stats.max_in_flight = max(stats.max_in_flight, self.endpoint.in_flight)
         # Shared experts (when they run here) overlap the FFN ranks' routed work.
-        return pending, self.model.trunk.shared_experts(layer, x)
+        sent = None if self.observe is None else (layer, x, routing.topk_ids, weights)
+        return pending, self.model.trunk.shared_experts(layer, x), sent
 
     def end(self, handle: Any) -> torch.Tensor:
         pending: DispatchHandle = handle[0]
@@ -169,4 +185,7 @@ class _RemoteMoE:
         start = time.perf_counter()
         out = self.endpoint.combine(pending).to(self.model.device)
         self.model.stats.combine_wait_s += time.perf_counter() - start
+        if handle[2] is not None and self.observe is not None:
+            layer, x, topk_ids, weights = handle[2]
+            self.observe(layer, x, topk_ids, weights, out)
         return out if shared is None else out + shared

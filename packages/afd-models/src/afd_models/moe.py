@@ -74,6 +74,22 @@ class MoELayer:
         self.experts = experts
         self.backend = backend
 
+    def exchanged(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor, *, with_shared: bool
+    ) -> torch.Tensor:
+        """What the AFD exchange returns for rows ``x [t, H]`` routed to ``topk_ids``
+        (int64 ``[t, k]``) with ``weights`` (float32 ``[t, k]``, the routed scale applied):
+        the weighted routed experts, plus the shared experts ``with_shared`` (when they run on
+        the FFN ranks). ``[t, H]`` in ``x.dtype``, on this layer's device: the reference an
+        observed exchange (:data:`afd_models.attention_role.ExchangeObserver`) is checked
+        against, computed as :meth:`__call__` computes it."""
+        out = routed_experts(x, topk_ids, weights, self.experts, self.backend)
+        if with_shared and self.shared is not None:
+            scales = BranchScales.for_dtype(self.config.routed_scaling_factor, x.dtype)
+            shared = self.shared(x)
+            out = out + (shared * scales.shared if scales.shared != 1.0 else shared)
+        return out
+
     def __call__(self, x: torch.Tensor, select: Select | None = None) -> torch.Tensor:
         """The MoE output ``[T, H]`` (``x.dtype``) of ``x [T, H]``; ``select`` is the
         router's hook (:class:`~afd_models.router.Selection`)."""

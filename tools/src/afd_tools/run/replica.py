@@ -60,6 +60,7 @@ from afd_tools.prefill.metrics import ReplicaTimes
 from afd_tools.prefill.workload import Chunk, ChunkQueue, Request
 from afd_tools.run.breakdown import Clock, TimedEndpoint
 from afd_tools.run.devices import random_weights, rank_device
+from afd_tools.run.exchanges import ExchangeLog, StepExchanges, last_rows
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
 from afd_tools.run.lockstep import Lockstep, LockstepEndpoint
 from afd_tools.run.routing import RoutingLog
@@ -84,6 +85,10 @@ class ModeResult(ReplicaTimes):
     steps: list[list[tuple[int, int, int, bool]]] = field(default_factory=list)
     """Every real step's batch: ``(request id, begin, end, final)`` per chunk, in order (the
     reference replays them: in bfloat16 the batching changes the rounding)."""
+    exchanges: list[StepExchanges | None] = field(default_factory=list)
+    """Per real step (as ``steps``), the MoE exchange of each chunk's last token at every
+    MoE layer (:mod:`afd_tools.run.exchanges`; ``None`` in a mode without an exchange): the
+    verification checks it against the reference's experts, one layer at a time."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """Per real step (as ``steps``), int32 ``[moe layers, T, k]`` on the CPU: every token's
     top-k expert ids at each MoE layer (``config.moe_layers`` order), as this replica routed
@@ -137,6 +142,9 @@ class ChunkLoop:
     """How long a step-size exchange may wait for the other replicas."""
     report: bool = True
     """Whether finished requests are counted on :attr:`progress` (not in a warm-up pass)."""
+    exchanges: ExchangeLog | None = None
+    """Where the step's forward records the exchange of each chunk's last token (taken
+    once per step, in modes with an exchange)."""
 
     def warm_up_batches(self, largest_step: bool) -> list[list[torch.Tensor]]:
         """The untimed batches a rank runs before its first mode, so that no mode pays
@@ -164,12 +172,17 @@ class ChunkLoop:
         batches.append(largest or [torch.zeros(1, dtype=torch.long)])
         return batches
 
-    def run(self, step: Step, sizes: StepSizes | None = None) -> ModeResult:
+    def run(
+        self, step: Step, sizes: StepSizes | None = None, exchanges: bool = False
+    ) -> ModeResult:
         """Prefill every request once through ``step``. With ``sizes`` the replicas step
         together: each step starts with an exchange of batch sizes (-1: nothing left; the
         time it takes counts as waiting), a replica with nothing ready joins with a one-token
         dummy batch, and the loop ends when every replica is done. Without it, an idle
-        replica sleeps until the next arrival and the loop ends when its queue is empty."""
+        replica sleeps until the next arrival and the loop ends when its queue is empty.
+        With ``exchanges`` (a mode whose forward reports its MoE exchange to
+        :attr:`exchanges`) every real step records it."""
+        log = self.exchanges if exchanges else None
         origin = time.monotonic()
         result = ModeResult(origin=origin)
         queue = ChunkQueue(self.requests, self.max_tokens)
@@ -208,14 +221,18 @@ class ChunkLoop:
             else:  # stepping together, nothing ready: join the step with a dummy token
                 entries = [torch.zeros(1, dtype=torch.long)]
                 result.dummy_batches += 1
+            if log is not None:
+                log.expect(last_rows([c.end - c.begin for c in chunks]))
             output, waited = step(entries, rows, cache)
             end = time.monotonic() - origin
             result.busy_s += end - start - waited
             result.wait_s += waited
             result.batches.append((start, end, _tokens(chunks)))
             routing = self.log.take()  # after the end time: its copy to the host is not timed
+            exchanged = None if log is None else log.take()  # likewise
             if chunks:
                 self._record(result, chunks, routing, output, end)
+                result.exchanges.append(exchanged)
         return result
 
     def _record(
@@ -333,6 +350,7 @@ class ReplicaSetup:
             progress,
             f"attention replica {connection.rank}",
             run_timeout,
+            exchanges=ExchangeLog(config.moe_layers),  # and their exchange, checked per layer
         )
         return cls(
             where,
@@ -429,8 +447,11 @@ class ReplicaMode:
             compute_logits=False,
             cache=cache,
             select=setup.loop.log,
+            observe=setup.loop.exchanges,
         )
 
+    exchanges: ClassVar[bool] = True
+    """Whether :meth:`forward` goes through :meth:`prefill`, whose exchange is recorded."""
     waits_in_combine: ClassVar[bool] = False
     """Whether :meth:`forward`'s waiting is the host's seconds in combine (and in sync
     mode's barriers), which a GPU's timeline replaces (:meth:`step`)."""
@@ -460,7 +481,9 @@ class ReplicaMode:
         setup.lockstep.barrier(setup.run_timeout, f"start of mode {self.name}")
         setup.timed.totals = LayerTimes()
         self._steps = []
-        result = setup.loop.run(self.step, setup.lockstep if self.lockstepped else None)
+        result = setup.loop.run(
+            self.step, setup.lockstep if self.lockstepped else None, self.exchanges
+        )
         if setup.timed.totals.layers:
             result.layer_times = setup.timed.totals.as_dict()
         result.attention_steps = self._steps
@@ -512,6 +535,7 @@ class ColocatedMode(ReplicaMode):
     """Colocated DP: this replica computes every layer and every expert itself."""
 
     name = "colocated"
+    exchanges = False
 
     def forward(self, entries: list[Prompt], rows: int, cache: KVCache) -> StepOutput:
         monolithic = self.setup.monolithic

@@ -12,6 +12,10 @@ A request passes when:
 * wherever the run chose other experts than the reference's own router would, the
   reference's top-k was within the margin of a tie (:data:`TIE_MARGIN`); elsewhere it is a
   *wrong expert*, named with its layer and token;
+* at every MoE layer, what the exchange returned for the last token of each of its chunks
+  is within the tolerance of the reference's experts on the same row, experts and weights
+  (:class:`ExchangeCheck`; :mod:`afd_tools.run.exchanges`): one layer's rounding, whatever
+  the depth;
 * its relative error is within the tolerance -- or, in a lower precision than float32,
   it is no farther from the reference's *float32 twin* than :data:`DRIFT_FACTOR` times the
   reference itself is (:class:`TwinCheck`).
@@ -109,6 +113,30 @@ class RoutingCounts:
 
 
 @dataclass(frozen=True)
+class ExchangeCheck:
+    """A request's recorded exchanges -- its chunks' last tokens at every MoE layer --
+    against the reference's experts on the same rows, experts and weights
+    (:meth:`afd_models.MoELayer.exchanged`): the worst of them."""
+
+    error: float
+    """The largest relative error of a row (``inf`` where either side is not finite)."""
+    layer: int
+    position: int
+    """Where it was: the layer, and the token's position in its prompt."""
+    rows: int
+    """How many (token, layer) rows of the request were checked."""
+
+    def problem(self, tolerance: float) -> str | None:
+        if self.error <= tolerance:
+            return None
+        shown = "not finite" if math.isinf(self.error) else f"{self.error:.2e} off"
+        return (
+            f"the MoE exchange at layer {self.layer} returned token {self.position}'s experts "
+            f"{shown} from the reference's ({self.rows} token-layer rows checked)"
+        )
+
+
+@dataclass(frozen=True)
 class TwinCheck:
     """A lower-precision request that missed the tolerance, against the float32 twin (the
     module docstring): it passes when the run's output is within ``max(tolerance,
@@ -149,6 +177,8 @@ class RequestCheck:
     routing: RoutingCounts = field(default_factory=RoutingCounts)
     twin: TwinCheck | None = None
     """Where the error missed the tolerance in a lower precision: the float32 twin's check."""
+    exchange: ExchangeCheck | None = None
+    """Its exchanges checked layer by layer (``None``: the mode has no exchange)."""
 
     def problem(self, tolerance: float) -> str | None:
         """Why this request fails (one line), or ``None`` if it passes."""
@@ -156,6 +186,8 @@ class RequestCheck:
             return f"not finite: {self.not_finite}"
         if self.routing.first_wrong is not None:
             return self.routing.first_wrong.describe(self.routing.wrong)
+        if self.exchange is not None and (why := self.exchange.problem(tolerance)):
+            return why
         if not self.error <= tolerance:
             if self.twin is None:
                 return f"relative error {self.error:.2e}"
@@ -316,6 +348,8 @@ class Verifier:
     twin: Callable[[], MonolithicModel] | None = None
     """Builds the float32 twin of a lower-precision reference (:class:`TwinCheck`), on the
     first request that needs it; ``None``: no twin (a float32 reference is its own)."""
+    shared_on_ffn: bool = False
+    """Whether the FFN ranks computed the shared experts (their exchange returns them)."""
     notes: list[str] = field(default_factory=list)
     """One line per replica whose reference replay did not reproduce, and where the twin
     could not be built."""
@@ -343,15 +377,16 @@ class Verifier:
 
     def check(self, prompts: Mapping[int, torch.Tensor], result: Any) -> dict[int, RequestCheck]:
         """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`."""
+        exchanges = check_exchanges(self.reference, result, self.shared_on_ffn)
         recorded = getattr(result, "routing", None) or None
         replay = self.replica(prompts, result.steps, recorded)
-        checks = self._against(replay, result)
+        checks = self._against(replay, result, exchanges)
         tolerance = self.tolerance
         if tolerance is None or not any(c.problem(tolerance) for c in checks.values()):
             return checks
         confirmed = self._confirmed(prompts, result, recorded, replay)
         if confirmed is not replay:
-            checks = self._against(confirmed, result)
+            checks = self._against(confirmed, result, exchanges)
         return self._with_twin(prompts, result, recorded, confirmed, checks, tolerance)
 
     def _confirmed(
@@ -441,11 +476,68 @@ class Verifier:
         self._twin = None
 
     @staticmethod
-    def _against(replay: ReplicaReplay, result: Any) -> dict[int, RequestCheck]:
+    def _against(
+        replay: ReplicaReplay, result: Any, exchanges: Mapping[int, ExchangeCheck] | None = None
+    ) -> dict[int, RequestCheck]:
         return {
-            rid: check_request(hidden, replay.outputs[rid], replay.counts.get(rid))
+            rid: dataclasses.replace(
+                check_request(hidden, replay.outputs[rid], replay.counts.get(rid)),
+                exchange=(exchanges or {}).get(rid),
+            )
             for rid, hidden in result.last_hidden.items()
         }
+
+
+def check_exchanges(
+    reference: MonolithicModel, result: Any, shared_on_ffn: bool
+) -> dict[int, ExchangeCheck]:
+    """Each request's worst recorded exchange (``result.exchanges``, one
+    :class:`~afd_tools.run.exchanges.StepExchanges` or ``None`` per step) against
+    ``reference``'s experts: every MoE layer's rows of every step computed in one call on the
+    reference's device. Empty for a mode without an exchange."""
+    records = getattr(result, "exchanges", None) or []
+    if not records:
+        return {}
+    owners: list[tuple[int, int]] = []  # per probed row: (request id, position)
+    pieces: list[tuple[torch.Tensor, ...]] = []
+    for step, record in zip(result.steps, records, strict=True):
+        if record is None:
+            continue
+        owners.extend((rid, end - 1) for rid, _, end, _ in step)
+        pieces.append((record.x, record.topk_ids, record.weights, record.out))
+    if not owners:
+        return {}
+    x, ids, weights, out = (torch.cat(column, dim=1) for column in zip(*pieces, strict=True))
+    device = reference.device
+    worst: dict[int, ExchangeCheck] = {}
+    count = dict.fromkeys((rid for rid, _ in owners), 0)
+    for rid, _ in owners:
+        count[rid] += len(reference.config.moe_layers)
+    with torch.inference_mode():
+        for index, layer in enumerate(reference.config.moe_layers):
+            expected = reference.moe_layers[layer].exchanged(
+                x[index].to(device), ids[index].to(device), weights[index].to(device),
+                with_shared=shared_on_ffn,
+            )  # fmt: skip
+            errors = row_errors(out[index], expected)
+            for (rid, position), error in zip(owners, errors.tolist(), strict=True):
+                held = worst.get(rid)
+                if held is None or error > held.error:
+                    worst[rid] = ExchangeCheck(error, layer, position, count[rid])
+    return worst
+
+
+def row_errors(out: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """float64 ``[P]``: each row's :func:`~afd_protocol.relative_error` of ``out [P, H]``
+    against ``reference [P, H]`` (compared on the CPU): ``inf`` where either row is not
+    finite, 0 for two zero rows."""
+    a, b = out.detach().double().cpu(), reference.detach().double().cpu()
+    finite = torch.isfinite(a).all(dim=1) & torch.isfinite(b).all(dim=1)
+    difference = (a - b).norm(dim=1)
+    size = b.norm(dim=1)
+    errors = torch.where(size > 0, difference / size.clamp_min(1e-300), difference * math.inf)
+    errors = torch.where(difference == 0, torch.zeros_like(errors), errors)
+    return torch.where(finite, errors, torch.full_like(errors, math.inf))
 
 
 @dataclass(frozen=True)
@@ -484,6 +576,17 @@ class Verdict:
             )
             for mode, by_request in self.checks.items()
         }
+
+    def exchanges(self) -> dict[str, tuple[int, int, ExchangeCheck]]:
+        """Per mode whose exchanges were checked: ``(token-layer rows checked, request with
+        the worst, its check)``."""
+        out: dict[str, tuple[int, int, ExchangeCheck]] = {}
+        for mode, by_request in self.checks.items():
+            held = [(r, c.exchange) for r, c in sorted(by_request.items()) if c.exchange]
+            if held:
+                rid, worst = max(held, key=lambda item: _number(item[1].error) or math.inf)
+                out[mode] = (sum(e.rows for _, e in held), rid, worst)
+        return out
 
     def twin_checks(self) -> dict[str, dict[int, TwinCheck]]:
         """Per mode with any, request id -> its float32 twin's check (passed or not)."""
@@ -544,6 +647,16 @@ class Verdict:
                 for m, twins in self.twin_checks().items()
             },
             "verification_drift_factor": DRIFT_FACTOR,
+            "verification_exchanges": {
+                m: {
+                    "rows": rows,
+                    "worst": _number(check.error),
+                    "request": rid,
+                    "layer": check.layer,
+                    "position": check.position,
+                }
+                for m, (rows, rid, check) in self.exchanges().items()
+            },
         }
 
     def fail_line(self) -> str:
@@ -565,8 +678,21 @@ class Verdict:
         return (
             f"PASS: every request's final hidden state matches the monolithic reference in "
             f"every mode (tolerance {self.tolerance:.0e}; worst {self._worst_text()}"
-            f"{self._twin_text()}); routing near ties within {self.margin:.1e}, token-layer "
-            f"decisions: {ties or 'none'}"
+            f"{self._twin_text()}){self._exchange_text()}; routing near ties within "
+            f"{self.margin:.1e}, token-layer decisions: {ties or 'none'}"
+        )
+
+    def _exchange_text(self) -> str:
+        """How many exchanged rows were checked layer by layer, and the worst."""
+        checked = self.exchanges()
+        if not checked:
+            return ""
+        rows = sum(n for n, _, _ in checked.values())
+        mode, (_, rid, worst) = max(checked.items(), key=lambda item: item[1][2].error)
+        return (
+            f", and so does every MoE exchange, layer by layer ({rows} token-layer rows: each "
+            f"chunk's last token; worst {worst.error:.1e}, request {rid} at layer {worst.layer}"
+            f" in {mode})"
         )
 
     def _twin_text(self) -> str:
@@ -607,14 +733,16 @@ def verify(
     tolerance: float | None = None,
     notes: list[str] | None = None,
     twin: Callable[[], MonolithicModel] | None = None,
+    shared_on_ffn: bool = False,
 ) -> Checks:
     """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
     per-replica results by mode, FFN intervals) against ``reference``; with a
     ``tolerance``, a failure is confirmed by a second replay (:class:`Verifier`), a
     confirmed miss of the tolerance alone is checked against the float32 ``twin`` (built
     only then, dropped before returning), and ``notes`` receives a line for each replay
-    that did not reproduce."""
-    verifier = Verifier(reference, margin, tolerance, twin)
+    that did not reproduce. Recorded exchanges are checked layer by layer
+    (:func:`check_exchanges`; ``shared_on_ffn``: they include the shared experts)."""
+    verifier = Verifier(reference, margin, tolerance, twin, shared_on_ffn)
     checks: Checks = {}
     try:
         for modes, _, values, _ in outcomes:

@@ -1,0 +1,155 @@
+"""The exchange record a replica keeps for the verification (afd_tools.run.exchanges) and its
+check: which rows are kept across stages, what a missing layer or row says, the row errors
+(NaN never passes), and how the verdict reports it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from afd_models import MonolithicModel, RandomWeights
+from afd_models import preset as make_preset
+from afd_tools.run.exchanges import ExchangeError, ExchangeLog, StepExchanges, last_rows
+from afd_tools.run.ranks import ModeResult
+from afd_tools.run.verify import (
+    ExchangeCheck,
+    RequestCheck,
+    Verdict,
+    check_exchanges,
+    row_errors,
+)
+
+H, K = 4, 2
+
+
+def call(log: ExchangeLog, layer: int, first_row: int, rows: int) -> None:
+    """One stage's exchange of ``rows`` rows whose values encode their step row."""
+    x = torch.arange(first_row, first_row + rows, dtype=torch.float32)[:, None].repeat(1, H)
+    ids = torch.arange(first_row, first_row + rows)[:, None].repeat(1, K)
+    log(layer, x, ids, torch.full((rows, K), 0.5), -x)
+
+
+def test_the_probed_rows_are_kept_across_stages_in_order() -> None:
+    assert last_rows([3, 1, 4]) == [2, 3, 7]
+    log = ExchangeLog([1, 2])
+    log.expect([2, 3, 7])
+    for layer in (1, 2):  # two stages: rows 0-4, then 5-7
+        call(log, layer, 0, 5)
+        call(log, layer, 5, 3)
+    record = log.take()
+    assert record is not None
+    assert record.rows == (2, 3, 7)
+    assert record.x.shape == (2, 3, H)
+    assert record.x[:, :, 0].tolist() == [[2.0, 3.0, 7.0]] * 2
+    assert record.topk_ids.dtype == torch.int64
+    assert record.topk_ids[1, :, 0].tolist() == [2, 3, 7]
+    assert record.weights.dtype == torch.float32
+    assert torch.equal(record.out, -record.x)
+    assert log.take() is None  # taken: the next step starts empty
+
+
+def test_a_dummy_step_records_nothing_and_a_gap_is_named() -> None:
+    log = ExchangeLog([1, 2])
+    log.expect([])
+    call(log, 1, 0, 1)
+    assert log.take() is None
+    log.expect([0])
+    call(log, 1, 0, 2)
+    with pytest.raises(ExchangeError, match=r"no exchange was recorded for MoE layers \[2\]"):
+        log.take()
+    log.expect([0, 4])
+    call(log, 1, 0, 2)
+    call(log, 2, 0, 6)
+    with pytest.raises(ExchangeError, match=r"MoE layers \[1\] covered fewer than the 2 rows"):
+        log.take()
+
+
+def test_row_errors_are_relative_per_row_and_never_nan() -> None:
+    reference = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    out = torch.tensor([[1.0, 0.0], [0.0, 2.2], [0.0, 0.0], [math.nan, 1.0], [1e-3, 0.0]])
+    errors = row_errors(out, reference).tolist()
+    assert errors[0] == 0.0
+    assert errors[1] == pytest.approx(0.1)
+    assert errors[2] == 0.0  # two zero rows
+    assert errors[3] == math.inf  # a NaN fails whatever the tolerance
+    assert errors[4] == math.inf  # anything against a zero row
+
+
+def _steps_of(model: MonolithicModel, scale: float) -> ModeResult:
+    """A replica record of two steps whose exchanges are the reference's own, except that
+    step 1's rows come back ``scale`` times too large at the last MoE layer."""
+    gen = torch.Generator().manual_seed(3)
+    layers = model.config.moe_layers
+    k = model.config.num_experts_per_tok
+    result = ModeResult()
+    for index, step in enumerate([[(0, 0, 5, True)], [(1, 0, 4, True), (2, 0, 6, False)]]):
+        rows = len(step)
+        x = torch.randn(len(layers), rows, model.config.hidden_size, generator=gen)
+        draws = [
+            torch.randperm(model.config.n_routed_experts, generator=gen)[:k]
+            for _ in range(len(layers) * rows)
+        ]
+        ids = torch.stack(draws).reshape(len(layers), rows, k)
+        weights = torch.rand(len(layers), rows, k, generator=gen)
+        out = torch.stack([
+            model.moe_layers[layer].exchanged(x[i], ids[i], weights[i], with_shared=False)
+            for i, layer in enumerate(layers)
+        ])  # fmt: skip
+        if index == 1:
+            out[-1] = out[-1] * scale
+        result.steps.append(step)
+        result.exchanges.append(StepExchanges(tuple(range(rows)), x, ids, weights, out))
+    return result
+
+
+def test_a_scaled_exchange_fails_naming_the_layer_and_the_token() -> None:
+    model = MonolithicModel(make_preset("tiny"), RandomWeights(2))
+    right = check_exchanges(model, _steps_of(model, 1.0), shared_on_ffn=False)
+    layers = len(model.config.moe_layers)
+    assert set(right) == {0, 1, 2}
+    assert all(c.error <= 1e-6 for c in right.values())
+    assert right[0].rows == layers
+    wrong = check_exchanges(model, _steps_of(model, 1.03), shared_on_ffn=False)
+    assert wrong[0].error <= 1e-6  # step 0 is right
+    last = model.config.moe_layers[-1]
+    for rid, position in ((1, 3), (2, 5)):
+        check = wrong[rid]
+        assert check.error == pytest.approx(0.03, rel=1e-3)
+        assert (check.layer, check.position) == (last, position)
+        assert check.problem(2e-2) == (
+            f"the MoE exchange at layer {last} returned token {position}'s experts "
+            f"3.00e-02 off from the reference's ({layers} token-layer rows checked)"
+        )
+        assert check.problem(5e-2) is None
+    assert check_exchanges(model, ModeResult(), shared_on_ffn=False) == {}
+
+
+def test_the_verdict_reports_the_exchange_and_fails_on_it_first() -> None:
+    bad = ExchangeCheck(error=3e-2, layer=1, position=3, rows=4)
+    fine = ExchangeCheck(error=4e-3, layer=2, position=0, rows=2)
+    nan = ExchangeCheck(error=math.inf, layer=1, position=7, rows=2)
+    checks = {
+        "async": {0: RequestCheck(1e-3, exchange=fine), 1: RequestCheck(5e-3, exchange=bad)},
+        "sync": {0: RequestCheck(1e-3, exchange=nan)},
+        "colocated": {0: RequestCheck(1e-3)},
+    }
+    verdict = Verdict(checks, 2e-2, 2.0**-3)
+    assert verdict.failures() == {
+        "async": {1: "the MoE exchange at layer 1 returned token 3's experts 3.00e-02 off "
+                     "from the reference's (4 token-layer rows checked)"},
+        "sync": {0: "the MoE exchange at layer 1 returned token 7's experts not finite from "
+                    "the reference's (2 token-layer rows checked)"},
+    }  # fmt: skip
+    data = json.loads(json.dumps(verdict.as_json(), allow_nan=False))
+    assert data["verification_exchanges"] == {
+        "async": {"rows": 6, "worst": 3e-2, "request": 1, "layer": 1, "position": 3},
+        "sync": {"rows": 2, "worst": None, "request": 0, "layer": 1, "position": 7},
+    }
+    passing = Verdict({"async": {0: RequestCheck(1e-3, exchange=fine)}}, 2e-2, 2.0**-3)
+    assert (
+        ", and so does every MoE exchange, layer by layer (2 token-layer rows: each "
+        "chunk's last token; worst 4.0e-03, request 0 at layer 2 in async)" in passing.pass_line()
+    )
