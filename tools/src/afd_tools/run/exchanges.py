@@ -13,9 +13,9 @@ the same rows with the reference's experts
 rounding.
 
 :class:`ExchangeLog` is the forward's observer (:data:`afd_models.ExchangeObserver`): each
-call copies out the probed rows on the device (a few small kernels per MoE layer, no host
-synchronisation), and :meth:`ExchangeLog.take`, after the step's end time was taken, moves
-them to the CPU as one :class:`StepExchanges`.
+call copies out the probed rows on the device (one small copy per MoE layer and stage, no
+host synchronisation), and :meth:`ExchangeLog.take`, after the step's end time was taken,
+moves them to the CPU as one :class:`StepExchanges`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ class ExchangeLog:
         self.moe_layers = tuple(moe_layers)
         self._rows: tuple[int, ...] = ()
         self._seen: dict[int, int] = {}
-        self._pieces: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        self._pieces: dict[
+            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]]
+        ] = {}
 
     def expect(self, rows: Sequence[int]) -> None:
         """Probe the step's ``rows`` (ascending) in the next forward; starts a new record."""
@@ -79,12 +81,11 @@ class ExchangeLog:
         local = [row - begin for row in self._rows if begin <= row < end]
         if not local:
             return
-
-        def pick(tensor: torch.Tensor) -> torch.Tensor:
-            return torch.cat([tensor.narrow(0, row, 1) for row in local])
-
-        piece = (pick(x), pick(topk_ids), pick(weights.float()), pick(out))
-        self._pieces.setdefault(layer, []).append(piece)
+        # One copy in the timed step (x and out share the model dtype; out may be a buffer
+        # the next layer reuses); the router's ids and weights are fresh tensors, kept as
+        # they are and cut at :meth:`take`.
+        rows = torch.cat([t.narrow(0, r, 1) for t in (x, out) for r in local])
+        self._pieces.setdefault(layer, []).append((rows, topk_ids, weights, local))
 
     def take(self) -> StepExchanges | None:
         """The record of the forward since :meth:`expect`, on the CPU (``None`` when no row
@@ -97,16 +98,25 @@ class ExchangeLog:
         missing = [layer for layer in self.moe_layers if layer not in pieces]
         if missing:
             raise ExchangeError(f"no exchange was recorded for MoE layers {missing}")
-        parts = [[torch.cat(column) for column in zip(*pieces[layer], strict=True)]
-                 for layer in self.moe_layers]  # fmt: skip
-        short = [layer for layer, p in zip(self.moe_layers, parts, strict=True)
-                 if p[0].shape[0] != len(rows)]  # fmt: skip
+        columns: list[list[torch.Tensor]] = [[], [], [], []]
+        for layer in self.moe_layers:
+            parts: list[list[torch.Tensor]] = [[], [], [], []]
+            for rows_of_call, topk_ids, topk_weights, local in pieces[layer]:
+                half = len(local)
+                parts[0].append(rows_of_call[:half])
+                parts[1].append(torch.cat([topk_ids.narrow(0, r, 1) for r in local]))
+                parts[2].append(torch.cat([topk_weights.narrow(0, r, 1) for r in local]))
+                parts[3].append(rows_of_call[half:])
+            for column, part in zip(columns, parts, strict=True):
+                column.append(torch.cat(part))
+        short = [layer for layer, probed in zip(self.moe_layers, columns[0], strict=True)
+                 if probed.shape[0] != len(rows)]  # fmt: skip
         if short:
             raise ExchangeError(
                 f"the exchange of MoE layers {short} covered fewer than the {len(rows)} rows probed"
             )
-        x, ids, weights, out = (torch.stack(column).cpu() for column in zip(*parts, strict=True))
-        return StepExchanges(rows, x, ids.long(), weights, out)
+        x, ids, weights, out = (torch.stack(column).cpu() for column in columns)
+        return StepExchanges(rows, x, ids.long(), weights.float(), out)
 
 
 def last_rows(lengths: Sequence[int]) -> list[int]:
