@@ -21,13 +21,13 @@ cost). The settings other than ``default`` run only at the shares where ``defaul
 outputs unwritten:
 
 ``default``          as afd run's ranks run
-``lt-target-32``     cuBLASLt preferred, told to plan for 32 SMs (a count that writes
-                     everything) through torch's SM carveout
-``lt-target-16x``    cuBLASLt, planning for the seen SM count rounded down to a multiple of 16
+``lt-target-known``  cuBLASLt preferred, told through torch's SM carveout to plan for the
+                     largest SM count seen to write everything (32, 66, 132) that is not
+                     above the client's
 ``lt-no-splitk``     cuBLASLt with split-K off (``allow_bf16_reduced_precision_reduction``
                      ``= (False, False)``)
 
-    python3 tools/gpu/share_probe.py [--shares 25,33,50] [--settings default,lt-target-32]
+    python3 tools/gpu/share_probe.py [--shares 25,33,50] [--settings default,lt-target-known]
                                      [--json F]
 
 Prints one table row per (share, setting); exits 0 when every run finished (whatever it
@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_SHARES = (20, 25, 30, 33, 37, 40, 45, 50, 60, 66, 75, 100)
-SETTINGS = ("default", "lt-target-32", "lt-target-16x", "lt-no-splitk")
+SETTINGS = ("default", "lt-target-known", "lt-no-splitk")
+KNOWN_GOOD_SMS = (32, 66, 132)
+"""SM counts whose clients wrote every GEMM output on an H200 (25, 50, 100 %)."""
 ROWS = (1, 9, 33, 49, 100, 257, 510, 1024, 2049, 4096, 8192)
 """Row counts of the probe products (the start-up probe's, and larger prefill batches)."""
 CLIENT_TIMEOUT_S = 180.0
@@ -99,7 +101,7 @@ def parse_shares(text: str) -> tuple[int, ...]:
 
 
 def parse_settings(text: str) -> tuple[str, ...]:
-    """``"default,lt-target-32"`` -> the names, each one of :data:`SETTINGS`."""
+    """``"default,lt-target-known"`` -> the names, each one of :data:`SETTINGS`."""
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [n for n in names if n not in SETTINGS]
     if not names or unknown:
@@ -110,11 +112,10 @@ def parse_settings(text: str) -> tuple[str, ...]:
 
 
 def planned_sms(setting: str, seen: int) -> int | None:
-    """The SM count ``setting`` tells cuBLASLt to plan for on a client seeing ``seen``."""
-    if setting == "lt-target-32":
-        return min(32, seen)
-    if setting == "lt-target-16x":
-        return max(16, seen // 16 * 16)
+    """The SM count ``setting`` tells cuBLASLt to plan for on a client seeing ``seen``
+    (never more than it sees; None: the library's own choice)."""
+    if setting == "lt-target-known":
+        return max((n for n in KNOWN_GOOD_SMS if n <= seen), default=seen)
     return None
 
 

@@ -29,7 +29,9 @@ def call(log: ExchangeLog, layer: int, first_row: int, rows: int) -> None:
     """One stage's exchange of ``rows`` rows whose values encode their step row."""
     x = torch.arange(first_row, first_row + rows, dtype=torch.float32)[:, None].repeat(1, H)
     ids = torch.arange(first_row, first_row + rows)[:, None].repeat(1, K)
-    log(layer, x, ids, torch.full((rows, K), 0.5), -x)
+    returned = log(layer, x, ids, torch.full((rows, K), 0.5))
+    if returned is not None:
+        returned(-x)
 
 
 def test_the_probed_rows_are_kept_across_stages_in_order() -> None:
@@ -60,6 +62,8 @@ def test_a_dummy_step_records_nothing_and_a_gap_is_named() -> None:
     call(log, 1, 0, 2)
     with pytest.raises(ExchangeError, match=r"no exchange was recorded for MoE layers \[2\]"):
         log.take()
+    log.expect([0])
+    assert log(1, torch.zeros(0, H), torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K)) is None
     log.expect([0, 4])
     call(log, 1, 0, 2)
     call(log, 2, 0, 6)
@@ -107,12 +111,12 @@ def _steps_of(model: MonolithicModel, scale: float) -> ModeResult:
 
 def test_a_scaled_exchange_fails_naming_the_layer_and_the_token() -> None:
     model = MonolithicModel(make_preset("tiny"), RandomWeights(2))
-    right = check_exchanges(model, _steps_of(model, 1.0), shared_on_ffn=False)
+    right = check_exchanges(model, _steps_of(model, 1.0))
     layers = len(model.config.moe_layers)
     assert set(right) == {0, 1, 2}
     assert all(c.error <= 1e-6 for c in right.values())
     assert right[0].rows == layers
-    wrong = check_exchanges(model, _steps_of(model, 1.03), shared_on_ffn=False)
+    wrong = check_exchanges(model, _steps_of(model, 1.03))
     assert wrong[0].error <= 1e-6  # step 0 is right
     last = model.config.moe_layers[-1]
     for rid, position in ((1, 3), (2, 5)):
@@ -124,7 +128,7 @@ def test_a_scaled_exchange_fails_naming_the_layer_and_the_token() -> None:
             f"3.00e-02 off from the reference's ({layers} token-layer rows checked)"
         )
         assert check.problem(5e-2) is None
-    assert check_exchanges(model, ModeResult(), shared_on_ffn=False) == {}
+    assert check_exchanges(model, ModeResult()) == {}
 
 
 def test_the_verdict_reports_the_exchange_and_fails_on_it_first() -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from afd_models import KVCache, PromptChunk
+from afd_protocol import SharedPlacement
 from afd_tools.prefill.layer_times import LayerTimes
 from afd_tools.prefill.workload import Request
 from afd_tools.run.breakdown import Clock, TimedEndpoint
@@ -251,6 +252,7 @@ class FakeModel:
     def __init__(self, combine_wait_s: float) -> None:
         self.stats = SimpleNamespace(combine_wait_s=combine_wait_s)
         self.calls: list[dict[str, Any]] = []
+        self.shared_placement = SharedPlacement.FFN
 
     def forward(self, entries: list[Any], endpoint: Any, **options: Any) -> str:
         self.calls.append({"endpoint": endpoint, **options})
@@ -266,7 +268,7 @@ def _setup(barrier_s: float = 0.0, combine_wait_s: float = 0.0, **more: Any) -> 
         "model": FakeModel(combine_wait_s),
         "timed": timed,
         "barriers": barriers,
-        "loop": SimpleNamespace(log="the log"),
+        "loop": SimpleNamespace(log="the log", exchanges="the exchange log"),
         "num_stages": 2,
         "min_stage_tokens": 0,
         "expert_parallel": None,
@@ -284,6 +286,7 @@ def test_a_sync_step_waits_at_every_dispatch_and_counts_the_barriers_as_waiting(
     assert call["endpoint"] is setup.barriers
     assert call["num_stages"] == 1
     assert call["select"] == "the log"
+    assert call["observe"] == "the exchange log"
     assert call["compute_logits"] is False
     assert setup.barriers.lockstep.barriers == ["lockstep before layer 0"] * 2
     assert setup.barriers.wait_s >= 0.04
@@ -333,9 +336,11 @@ class RecordingLoop:
 
     def __init__(self) -> None:
         self.sizes: list[Any] = []
+        self.exchanges: list[bool] = []
 
-    def run(self, step: Any, sizes: Any = None) -> Any:
+    def run(self, step: Any, sizes: Any = None, exchanges: bool = False) -> Any:
         self.sizes.append(sizes)
+        self.exchanges.append(exchanges)
         return SimpleNamespace(layer_times={})
 
 
@@ -349,6 +354,8 @@ def test_a_mode_starts_with_every_replica_and_steps_together_only_when_lockstepp
     result = mode(setup).run()
     assert lockstep.barriers == [f"start of mode {mode.name}"]
     assert setup.loop.sizes == [lockstep if mode.lockstepped else None]
+    assert setup.loop.exchanges == [True]  # both modes exchange: every step records it
+    assert result.exchange_includes_shared  # the fake model's shared experts are on the FFN
     assert setup.timed.totals.layers == 0
     assert result.layer_times == {}
 

@@ -267,9 +267,12 @@ def test_colocated_dp_ep_exchanges_tokens_between_all_processes_and_verifies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Colocated DP+EP on the A+F processes AFD uses (gloo collectives on CPU), beside async
-    AFD with two token-level stages, every output verified."""
+    AFD with two token-level stages, every output verified. The shared experts run on the
+    FFN ranks in AFD and on every process in DP+EP: each mode's exchange is checked against
+    what it carries."""
     report = tmp_path / "ep.json"
-    argv = [*SMALL, "--colocated", "dp-ep", "--stages", "2", "--json", str(report)]
+    argv = [*SMALL, "--colocated", "dp-ep", "--stages", "2", "--shared", "ffn"]
+    argv += ["--json", str(report)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "; colocated: DP4+EP over gloo" in out
@@ -277,6 +280,9 @@ def test_colocated_dp_ep_exchanges_tokens_between_all_processes_and_verifies(
     data = json.loads(report.read_text())
     assert data["verification_failures"] == {}
     assert set(data["verification_worst"]) == {"async", "sync", "colocated"}
+    exchanges = data["verification_exchanges"]
+    assert set(exchanges) == {"async", "sync", "colocated"}
+    assert all(e["rows"] > 0 and e["worst"] <= 1e-5 for e in exchanges.values()), exchanges
     colocated = data["modes"]["colocated"]
     assert len(colocated["attention_busy"]) == 4  # every process computes attention
     assert colocated["ffn_busy"] == []

@@ -39,8 +39,8 @@ def test_shares_and_settings_are_checked_and_named(probe: ModuleType) -> None:
         probe.parse_shares("0,101")
     with pytest.raises(Bad, match=r"separated by commas, e.g. 25,33,50; got .25;33."):
         probe.parse_shares("25;33")
-    assert probe.parse_settings("default,lt-target-32") == ("default", "lt-target-32")
-    with pytest.raises(Bad, match="--settings takes some of default, lt-target-32"):
+    assert probe.parse_settings("default,lt-target-known") == ("default", "lt-target-known")
+    with pytest.raises(Bad, match="--settings takes some of default, lt-target-known"):
         probe.parse_settings("default,fast")
     shown = subprocess.run(
         [sys.executable, str(SCRIPT), "--shares", "0"], capture_output=True, text=True, timeout=60
@@ -52,11 +52,11 @@ def test_shares_and_settings_are_checked_and_named(probe: ModuleType) -> None:
 def test_the_planned_sm_count_per_setting(probe: ModuleType) -> None:
     assert probe.planned_sms("default", 42) is None
     assert probe.planned_sms("lt-no-splitk", 42) is None
-    assert probe.planned_sms("lt-target-32", 42) == 32
-    assert probe.planned_sms("lt-target-32", 20) == 20  # never more than it sees
-    assert probe.planned_sms("lt-target-16x", 42) == 32
-    assert probe.planned_sms("lt-target-16x", 98) == 96
-    assert probe.planned_sms("lt-target-16x", 12) == 16
+    assert probe.planned_sms("lt-target-known", 42) == 32  # 33 %
+    assert probe.planned_sms("lt-target-known", 52) == 32  # 40 %
+    assert probe.planned_sms("lt-target-known", 98) == 66  # 75 %
+    assert probe.planned_sms("lt-target-known", 132) == 132
+    assert probe.planned_sms("lt-target-known", 20) == 20  # never more than it sees
 
 
 def test_a_clients_answer_or_failure_becomes_a_table_row(probe: ModuleType) -> None:
@@ -64,7 +64,7 @@ def test_a_clients_answer_or_failure_becomes_a_table_row(probe: ModuleType) -> N
               "first": "bfloat16 [49 x 1408] @ [1408 x 2048]: 3 of 100352 elements unwritten",
               "tflops": 301.4}  # fmt: skip
     ok = subprocess.CompletedProcess([], 0, "warming up\n" + json.dumps(answer) + "\n", "")
-    found = probe.finding_from(33, "lt-target-32", ok)
+    found = probe.finding_from(33, "lt-target-known", ok)
     assert found.error is None
     assert not found.writes_everything
     failed = subprocess.CompletedProcess([], 1, "", "Traceback ...\nRuntimeError: no GPU\n")
@@ -75,7 +75,7 @@ def test_a_clients_answer_or_failure_becomes_a_table_row(probe: ModuleType) -> N
     rows = probe.table([found, lost]).splitlines()
     assert rows[0].startswith("| share % | SMs seen | setting | SMs planned | unwritten products")
     assert rows[2] == (
-        "| 33 | 42 | lt-target-32 | 32 | 3 of 154 | bfloat16 [49 x 1408] @ [1408 x 2048]: 3 of "
+        "| 33 | 42 | lt-target-known | 32 | 3 of 154 | bfloat16 [49 x 1408] @ [1408 x 2048]: 3 of "
         "100352 elements unwritten | 301 |"
     )
     assert rows[3] == "| 40 | - | default | - | failed: exit 1: RuntimeError: no GPU | - | - |"
@@ -110,10 +110,10 @@ def test_a_probe_runs_each_client_as_an_mps_client_and_stops_its_daemon(
     monkeypatch.setattr(mps.MpsDaemon, "start", start)
     monkeypatch.setattr(probe, "_run_client", client)
     control = write_stand_in(tmp_path / "bin")
-    findings = probe.probe((33, 50), ("default", "lt-target-32"), control=control)
+    findings = probe.probe((33, 50), ("default", "lt-target-known"), control=control)
     assert seen == [
         (33, "default", "33", True),
-        (33, "lt-target-32", "33", True),
+        (33, "lt-target-known", "33", True),
         (50, "default", "50", True),
     ]
     assert [f.error for f in findings] == ["exit 1: RuntimeError: no GPU"] * 2 + [None]

@@ -138,6 +138,7 @@ def test_a_correct_deep_bf16_run_over_the_tolerance_passes_against_the_twin(
             assert twin.wrong is None
             assert twin.reference_error > 1e-2
             assert twin.run_error <= DRIFT_FACTOR * twin.reference_error
+            assert twin.passes()
             assert check.passed_by_twin(TOL)
         else:
             assert check.twin is None
@@ -207,9 +208,13 @@ def test_the_twin_check_reads_in_the_report() -> None:
     assert twins["1"]["passed"] is False
     assert twins["2"]["run_error"] is None
     assert twins["2"]["passed"] is False
-    # Below the tolerance the bound is the tolerance itself: at a few layers nothing changes.
-    assert TwinCheck(run_error=1.9e-2, reference_error=1e-3).passes(2e-2)
-    assert not TwinCheck(run_error=2.1e-2, reference_error=1e-3).passes(2e-2)
+    # The bound is twice the reference's own drift, nothing else: a run within the tolerance
+    # of the twin but 19x the reference's distance fails; a twin that is not finite (both
+    # distances inf) passes nothing.
+    assert not TwinCheck(run_error=1.9e-2, reference_error=1e-3).passes()
+    assert TwinCheck(run_error=2e-3, reference_error=1e-3).passes()
+    assert not TwinCheck(run_error=math.inf, reference_error=math.inf).passes()
+    assert not TwinCheck(run_error=1e-2, reference_error=math.inf).passes()
 
 
 def test_rounded_weights_are_the_lower_precision_models_weights_in_float32() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import afd_models_naive as naive
@@ -170,9 +171,13 @@ def test_the_observed_exchange_is_what_the_experts_give(shared: str) -> None:
     model = AttentionRoleModel(config, RandomWeights(SEED), shared_placement=shared)
     seen: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def observe(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                out: torch.Tensor) -> None:  # fmt: skip
-        seen.append((layer, x.shape[0], x.clone(), ids.clone(), w.clone(), out.clone()))
+    def observe(
+        layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> Callable[[torch.Tensor], None]:
+        def returned(out: torch.Tensor) -> None:
+            seen.append((layer, x.shape[0], x.clone(), ids.clone(), w.clone(), out.clone()))
+
+        return returned
 
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [400, 3, 2]]
     try:

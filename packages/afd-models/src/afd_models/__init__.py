@@ -19,7 +19,12 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from afd_models.attention import MLAttention
-from afd_models.attention_role import AttentionRoleModel, AttentionRunStats, ExchangeObserver
+from afd_models.attention_role import (
+    AttentionRoleModel,
+    AttentionRunStats,
+    ExchangeObserver,
+    ExchangeReturn,
+)
 from afd_models.backends import (
     ExpertBackend,
     GroupedMMBackend,
@@ -85,6 +90,7 @@ __all__ = [
     "DeepseekConfig",
     "DeviceError",
     "ExchangeObserver",
+    "ExchangeReturn",
     "ExpertBackend",
     "ExpertStack",
     "ExpertWeights",

@@ -35,15 +35,18 @@ from afd_models.trunk import Trunk
 from afd_models.weights import WeightSource
 from afd_protocol import AttentionEndpoint, DispatchHandle, SharedPlacement
 
-ExchangeObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""A forward's observer of the MoE exchange, called at every MoE layer once its combine
-returned (layers in order; with several stages, a layer's stages in order, each with its
-rows of the batch): ``(layer, x, topk_ids, weights, out)`` with ``x [t, H]`` the rows
-dispatched (model dtype), ``topk_ids`` int64 ``[t, k]`` the experts they went to,
-``weights`` float32 ``[t, k]`` the top-k weights times the routed scale, and ``out
-[t, H]`` what the combine returned (model dtype; the shared experts included when they run
-on the FFN ranks); every tensor on the model's device, the observer's to copy before the
-next layer (they are reused)."""
+ExchangeReturn = Callable[[torch.Tensor], None]
+"""Called once the combine of an observed exchange returned, with what it returned: ``out
+[t, H]`` (model dtype, on the model's device; the shared experts included when they run on
+the FFN ranks). ``out`` may be a buffer a later layer reuses: copy what is kept."""
+ExchangeObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], ExchangeReturn | None]
+"""A forward's observer of the MoE exchange, called at every MoE layer as its rows are
+dispatched (layers in order; with several stages, a layer's stages in order, each with its
+rows of the batch): ``(layer, x, topk_ids, weights)`` with ``x [t, H]`` the rows (model
+dtype), ``topk_ids`` int64 ``[t, k]`` the experts they go to and ``weights`` float32
+``[t, k]`` the top-k weights times the routed scale, all on the model's device and fresh
+(the observer may keep them; keeping ``x`` holds a ``[t, H]`` activation). It returns what
+to call with the combine's output (:data:`ExchangeReturn`), or ``None``."""
 
 
 @dataclass
@@ -176,8 +179,10 @@ class _RemoteMoE:
         stats.layers.append(layer)
         stats.max_in_flight = max(stats.max_in_flight, self.endpoint.in_flight)
         # Shared experts (when they run here) overlap the FFN ranks' routed work.
-        sent = None if self.observe is None else (layer, x, routing.topk_ids, weights)
-        return pending, self.model.trunk.shared_experts(layer, x), sent
+        returned = (
+            None if self.observe is None else self.observe(layer, x, routing.topk_ids, weights)
+        )
+        return pending, self.model.trunk.shared_experts(layer, x), returned
 
     def end(self, handle: Any) -> torch.Tensor:
         pending: DispatchHandle = handle[0]
@@ -185,7 +190,7 @@ class _RemoteMoE:
         start = time.perf_counter()
         out = self.endpoint.combine(pending).to(self.model.device)
         self.model.stats.combine_wait_s += time.perf_counter() - start
-        if handle[2] is not None and self.observe is not None:
-            layer, x, topk_ids, weights = handle[2]
-            self.observe(layer, x, topk_ids, weights, out)
+        returned: ExchangeReturn | None = handle[2]
+        if returned is not None:
+            returned(out)
         return out if shared is None else out + shared

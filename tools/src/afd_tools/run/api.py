@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from afd_models import MonolithicModel, RoundedWeights
-from afd_protocol import SharedPlacement
 from afd_tools.prefill.metrics import ModeSummary, ratios, summarize
 from afd_tools.prefill.run_report import RunReport
 from afd_tools.run import ranks
@@ -239,7 +238,6 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
         job.tolerance,
         notes,
         twin if lower else None,
-        shared_on_ffn=job.shared == SharedPlacement.FFN.value,
     )
     for note in notes:
         print(f"afd run: verification: {note}", file=sys.stderr, flush=True)

@@ -13,14 +13,16 @@ the same rows with the reference's experts
 rounding.
 
 :class:`ExchangeLog` is the forward's observer (:data:`afd_models.ExchangeObserver`): each
-call copies out the probed rows on the device (one small copy per MoE layer and stage, no
-host synchronisation), and :meth:`ExchangeLog.take`, after the step's end time was taken,
-moves them to the CPU as one :class:`StepExchanges`.
+MoE layer and stage gathers its probed rows into the step's buffers on the device (five
+small launches whatever the number of rows, no host synchronisation), and
+:meth:`ExchangeLog.take`, after the step's end time was taken, copies the buffers to the CPU
+as one :class:`StepExchanges`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,73 +52,98 @@ class StepExchanges:
 class ExchangeLog:
     """Records the exchange of chosen rows at every MoE layer of one step's forward (the
     module docstring): :meth:`expect` names the rows before the step, the forward calls the
-    log at every MoE layer (stages in order, each with its rows of the step), :meth:`take`
-    returns the record."""
+    log at every MoE layer as it dispatches (stages in order, each with its rows of the step)
+    and the call it returns once the combine returned; :meth:`take` returns the record.
+
+    The rows land in buffers of the whole step, made at the step's first call: per call,
+    one index (the call's probed rows) and one ``index_select`` into place per tensor, on the
+    forward's stream, whatever the number of rows; the host waits for nothing until
+    :meth:`take`, which copies the four buffers to the CPU."""
 
     def __init__(self, moe_layers: Sequence[int]) -> None:
         self.moe_layers = tuple(moe_layers)
+        self._index = {layer: i for i, layer in enumerate(self.moe_layers)}
         self._rows: tuple[int, ...] = ()
+        self._host_rows: torch.Tensor | None = None
+        self._device_rows: torch.Tensor | None = None
         self._seen: dict[int, int] = {}
-        self._pieces: dict[
-            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]]
-        ] = {}
+        self._filled: dict[int, int] = {}
+        self._buffers: tuple[torch.Tensor, ...] | None = None
 
     def expect(self, rows: Sequence[int]) -> None:
         """Probe the step's ``rows`` (ascending) in the next forward; starts a new record."""
         self._rows = tuple(rows)
-        self._seen = {}
-        self._pieces = {}
+        self._seen, self._filled = {}, {}
+        self._buffers = None
+        self._device_rows = None
+        self._host_rows = torch.tensor(self._rows, dtype=torch.long) if rows else None
 
     def __call__(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        weights: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
         begin = self._seen.get(layer, 0)
         end = begin + x.shape[0]
         self._seen[layer] = end
-        local = [row - begin for row in self._rows if begin <= row < end]
-        if not local:
-            return
-        # One copy in the timed step (x and out share the model dtype; out may be a buffer
-        # the next layer reuses); the router's ids and weights are fresh tensors, kept as
-        # they are and cut at :meth:`take`.
-        rows = torch.cat([t.narrow(0, r, 1) for t in (x, out) for r in local])
-        self._pieces.setdefault(layer, []).append((rows, topk_ids, weights, local))
+        first = bisect.bisect_left(self._rows, begin)
+        last = bisect.bisect_left(self._rows, end)
+        if first == last:
+            return None
+        buffers = self._buffers or self._allocate(x, topk_ids)
+        rows = self._rows_on(x.device)[first:last] - begin
+        where = self._index[layer]
+        x_rows, ids_rows, weight_rows, _ = (b[where, first:last] for b in buffers)
+        torch.index_select(x, 0, rows, out=x_rows)
+        torch.index_select(topk_ids.long(), 0, rows, out=ids_rows)
+        torch.index_select(weights.float(), 0, rows, out=weight_rows)
+        self._filled[layer] = self._filled.get(layer, 0) + last - first
+        out_rows = buffers[3][where, first:last]
+
+        def returned(out: torch.Tensor) -> None:
+            torch.index_select(out, 0, rows, out=out_rows)
+
+        return returned
+
+    def _allocate(self, x: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shape = (len(self.moe_layers), len(self._rows))
+        hidden, k = (x.shape[1],), (topk_ids.shape[1],)
+        self._buffers = (
+            torch.empty(shape + hidden, dtype=x.dtype, device=x.device),
+            torch.empty(shape + k, dtype=torch.long, device=x.device),
+            torch.empty(shape + k, dtype=torch.float32, device=x.device),
+            torch.empty(shape + hidden, dtype=x.dtype, device=x.device),
+        )
+        return self._buffers
+
+    def _rows_on(self, device: torch.device) -> torch.Tensor:
+        """The probed rows on ``device``, copied there once per step (from page-locked
+        memory without waiting, on a GPU)."""
+        if self._device_rows is None or self._device_rows.device != device:
+            host = self._host_rows
+            assert host is not None, "called with rows to probe"
+            if device.type == "cuda":
+                host = host.pin_memory()
+                self._host_rows = host  # alive until the copy is done
+            self._device_rows = host.to(device, non_blocking=True)
+        return self._device_rows
 
     def take(self) -> StepExchanges | None:
         """The record of the forward since :meth:`expect`, on the CPU (``None`` when no row
         was expected: a dummy step); :class:`ExchangeError` if a MoE layer or a row is
         missing from it."""
-        rows, self._rows = self._rows, ()
-        pieces, self._pieces = self._pieces, {}
+        rows, buffers, filled = self._rows, self._buffers, self._filled
+        self.expect(())
         if not rows:
             return None
-        missing = [layer for layer in self.moe_layers if layer not in pieces]
-        if missing:
+        missing = [layer for layer in self.moe_layers if layer not in filled]
+        if missing or buffers is None:
             raise ExchangeError(f"no exchange was recorded for MoE layers {missing}")
-        columns: list[list[torch.Tensor]] = [[], [], [], []]
-        for layer in self.moe_layers:
-            parts: list[list[torch.Tensor]] = [[], [], [], []]
-            for rows_of_call, topk_ids, topk_weights, local in pieces[layer]:
-                half = len(local)
-                parts[0].append(rows_of_call[:half])
-                parts[1].append(torch.cat([topk_ids.narrow(0, r, 1) for r in local]))
-                parts[2].append(torch.cat([topk_weights.narrow(0, r, 1) for r in local]))
-                parts[3].append(rows_of_call[half:])
-            for column, part in zip(columns, parts, strict=True):
-                column.append(torch.cat(part))
-        short = [layer for layer, probed in zip(self.moe_layers, columns[0], strict=True)
-                 if probed.shape[0] != len(rows)]  # fmt: skip
+        short = [layer for layer in self.moe_layers if filled[layer] != len(rows)]
         if short:
             raise ExchangeError(
                 f"the exchange of MoE layers {short} covered fewer than the {len(rows)} rows probed"
             )
-        x, ids, weights, out = (torch.stack(column).cpu() for column in columns)
-        return StepExchanges(rows, x, ids.long(), weights.float(), out)
+        x, ids, weights, out = (b.cpu() for b in buffers)
+        return StepExchanges(rows, x, ids, weights, out)
 
 
 def last_rows(lengths: Sequence[int]) -> list[int]:

@@ -51,6 +51,7 @@ from afd_protocol import (
     AttentionEndpoint,
     Connection,
     EndpointOptions,
+    SharedPlacement,
     check_supervisor,
     freeze_heap,
 )
@@ -89,6 +90,8 @@ class ModeResult(ReplicaTimes):
     """Per real step (as ``steps``), the MoE exchange of each chunk's last token at every
     MoE layer (:mod:`afd_tools.run.exchanges`; ``None`` in a mode without an exchange): the
     verification checks it against the reference's experts, one layer at a time."""
+    exchange_includes_shared: bool = False
+    """Whether :attr:`exchanges` hold the shared experts (they ran on the FFN ranks)."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """Per real step (as ``steps``), int32 ``[moe layers, T, k]`` on the CPU: every token's
     top-k expert ids at each MoE layer (``config.moe_layers`` order), as this replica routed
@@ -483,6 +486,9 @@ class ReplicaMode:
         self._steps = []
         result = setup.loop.run(
             self.step, setup.lockstep if self.lockstepped else None, self.exchanges
+        )
+        result.exchange_includes_shared = (
+            self.exchanges and setup.model.shared_placement is SharedPlacement.FFN
         )
         if setup.timed.totals.layers:
             result.layer_times = setup.timed.totals.as_dict()
