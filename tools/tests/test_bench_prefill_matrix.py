@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -590,6 +591,36 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
     wrong = subprocess.run(["bash", str(MAIN_JOB), "--fast"], capture_output=True, text=True)
     assert wrong.returncode == 2
     assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
+
+
+def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path) -> None:
+    """``--full`` with a stand-in Python that records each benchmark's arguments: the calls
+    run in the documented order, each resumable with a time budget and its plots, and only
+    the sitting's first one keeps afd bench prefill's warm-up launch."""
+    import subprocess
+
+    record = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'  # one GPU
+        f'echo "$*" >> {record}\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(MAIN_JOB), "--full"], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    calls = record.read_text().splitlines()
+    names = [re.search(r"--json \S+/([\w-]+)\.json", c).group(1) for c in calls]  # type: ignore[union-attr]
+    assert names == ["target-long-3a1f", "arrivals", "split-2a1f", "target-long",
+                     "target-2a1f", "full"]  # fmt: skip
+    for call in calls:
+        assert call.startswith("-m afd_tools.cli bench prefill ")
+        assert "--resume --time-budget " in call
+        assert f"--plots {tmp_path}/out/plots" in call
+    assert "--warm-up off" not in calls[0]
+    assert all("--warm-up off" in c for c in calls[1:])
 
 
 def test_a_warm_up_precedes_the_first_run_of_each_preset_and_layout(tmp_path: Path) -> None:
