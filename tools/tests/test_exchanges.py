@@ -25,22 +25,37 @@ from afd_tools.run.verify import (
 H, K = 4, 2
 
 
-def call(log: ExchangeLog, layer: int, first_row: int, rows: int) -> None:
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+"""On a GPU the rows go through page-locked memory and land in device buffers."""
+
+
+def call(log: ExchangeLog, layer: int, first_row: int, rows: int, device: str = "cpu") -> None:
     """One stage's exchange of ``rows`` rows whose values encode their step row."""
-    x = torch.arange(first_row, first_row + rows, dtype=torch.float32)[:, None].repeat(1, H)
-    ids = torch.arange(first_row, first_row + rows)[:, None].repeat(1, K)
-    returned = log(layer, x, ids, torch.full((rows, K), 0.5))
+    x = torch.arange(first_row, first_row + rows, dtype=torch.float32, device=device)
+    x = x[:, None].repeat(1, H)
+    ids = torch.arange(first_row, first_row + rows, device=device)[:, None].repeat(1, K)
+    returned = log(layer, x, ids, torch.full((rows, K), 0.5, device=device))
     if returned is not None:
         returned(-x)
 
 
-def test_the_probed_rows_are_kept_across_stages_in_order() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_probed_rows_are_kept_across_stages_in_order(device: str) -> None:
     assert last_rows([3, 1, 4]) == [2, 3, 7]
     log = ExchangeLog([1, 2])
     log.expect([2, 3, 7])
     for layer in (1, 2):  # two stages: rows 0-4, then 5-7
-        call(log, layer, 0, 5)
-        call(log, layer, 5, 3)
+        call(log, layer, 0, 5, device)
+        call(log, layer, 5, 3, device)
     record = log.take()
     assert record is not None
     assert record.rows == (2, 3, 7)
