@@ -52,10 +52,18 @@ def test_extras(name: str) -> list[str]:
     return [r for r in os.environ.get("TEST_EXTRAS", "").split() if r.startswith(wanted)]
 
 
-SHARDS = {"afd-tools": ("test_run.py",)}
+LONGEST_FIRST = ("tools", "afd-transport-nvshmem", "afd-protocol")
+"""Package directories whose checks start first, longest first (CI at aa9ae10: tools 769 s,
+afd-transport-nvshmem 575 s, afd-protocol 299 s; the other three under 65 s each). With the
+transport third it started at ~390 s and ended last, alone, at ~950 s."""
+
+
+SHARDS = {"afd-tools": ("test_run.py", "test_sim_recorded.py")}
 """Packages whose tests run as two pytest processes side by side in their clean venv (the
-files named, then the rest): the tools' tests are the longest (~300 s alone), and split in
-halves of about equal time they end with the other packages instead of after them."""
+files named, then the rest): the tools' tests are the longest (~330 s alone), and split in
+halves of about equal time they end with the other packages instead of after them. Alone
+on this machine class (2026-12-05): test_run.py 110 s and test_sim_recorded.py 57 s, the
+rest 147 s; with test_run.py alone in the first shard, CI's shards took 199 s and 639 s."""
 
 
 def sh(
@@ -221,7 +229,8 @@ def main(argv: list[str]) -> int:
         return d, stage, message, elapsed
 
     # The longest first, so that the last to finish is a short one.
-    order = sorted(dirs, key=lambda d: d.name != "tools")
+    order = sorted(dirs, key=lambda d: LONGEST_FIRST.index(d.name) if d.name in LONGEST_FIRST
+                   else len(LONGEST_FIRST))  # fmt: skip
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         outcomes = list(pool.map(one, order))
     failures = [d for d, stage, _, _ in outcomes if stage != "ok"]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -163,6 +165,40 @@ def test_a_planted_error_at_depth_still_fails(reference: MonolithicModel) -> Non
         if check.twin is not None and check.twin.wrong is None:
             assert "from the float32 twin, where the reference is" in problem
             assert check.twin.run_error > DRIFT_FACTOR * check.twin.reference_error
+
+
+def test_the_reference_is_released_before_the_twin_is_built(reference: MonolithicModel) -> None:
+    """With ``release_reference`` (what afd run passes), the twin is built only after every
+    replica of every mode is checked and the reference is gone (v2-lite's reference and
+    twin do not fit an H100 together); the verdicts equal those of a run that keeps it, for
+    two modes of two replicas."""
+    result = bf16_run()
+    outcomes: list[tuple[list[str], list[Any], list[dict[str, Any]], list[Any]]] = [
+        (["async", "sync"], [], [{"async": result, "sync": result}] * 2, [])
+    ]
+    kept = verify(reference, outcomes, prompts(), MARGIN, TOL, None, twin_builder())
+    alive: list[bool] = []
+    held: list[weakref.ref[MonolithicModel]] = []
+    build = twin_builder()
+
+    def own_reference() -> MonolithicModel:
+        """A reference no one else holds (as afd run builds it, inline)."""
+        model = MonolithicModel(make_preset("tiny", num_layers=DEPTH), RandomWeights(SEED),
+                                dtype=torch.bfloat16)  # fmt: skip
+        held.append(weakref.ref(model))
+        return model
+
+    def twin_after_release() -> MonolithicModel:
+        gc.collect()
+        alive.append(held[0]() is not None)
+        return build()
+
+    released = verify(own_reference(), outcomes, prompts(), MARGIN, TOL, None,
+                      twin_after_release, release_reference=True)  # fmt: skip
+    assert alive == [False]  # built once, after the reference was freed
+    assert released == kept
+    assert set(released) == {"async", "sync"}
+    assert all(c.twin is not None for mode in released.values() for c in mode.values())
 
 
 def test_the_twin_is_not_built_when_nothing_misses() -> None:

@@ -214,9 +214,7 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
     job, config = plan.job, plan.config
     dtype = getattr(torch, job.resolved("dtype"))
     device = plan.placement.attention[0]
-    weights = ranks.random_weights(job.seed, torch.device(device))
     backend = job.resolved("backend")
-    reference = MonolithicModel(config, weights, dtype=dtype, device=device, backend=backend)
     prompts = {
         r.request_id: ranks.request_tokens(r, config.vocab_size, job.seed)
         for _, requests, _, _ in outcomes
@@ -230,18 +228,26 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
 
     notes: list[str] = []
     lower = dtype != torch.float32
+    # The reference is built inline, held by verify() alone: it is dropped before the twin
+    # is built, so the two need not fit in device memory together.
     checks = verify(
-        reference,
+        MonolithicModel(
+            config,
+            ranks.random_weights(job.seed, torch.device(device)),
+            dtype=dtype,
+            device=device,
+            backend=backend,
+        ),
         outcomes,
         prompts,
         job.margin,
         job.tolerance,
         notes,
         twin if lower else None,
+        release_reference=True,
     )
     for note in notes:
         print(f"afd run: verification: {note}", file=sys.stderr, flush=True)
-    del reference
     return checks
 
 

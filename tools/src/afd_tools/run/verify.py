@@ -42,6 +42,7 @@ at depth, the exchange check comes first for that reason).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -354,9 +355,14 @@ class Verifier:
     then checked against the later replays and :attr:`notes` says so. A run that really
     differs fails against every replay. A request whose confirmed failure is its relative
     error alone is then checked against the float32 twin, where there is one
-    (:class:`TwinCheck`)."""
+    (:class:`TwinCheck`): :meth:`check` checks against the reference and keeps such requests
+    aside, and :meth:`twin_pass`, called once every replica is checked, replays them on the
+    twin. So the reference and the twin need not fit in memory together: with
+    ``release_reference`` the reference is dropped before the twin is built (v2-lite's 27
+    layers on an H100: 31 GB in bf16, 63 GB as the twin, 78 GB of device memory)."""
 
-    reference: MonolithicModel
+    reference: MonolithicModel | None
+    """The reference; ``None`` once :meth:`twin_pass` released it."""
     margin: float
     tolerance: float | None = None
     twin: Callable[[], MonolithicModel] | None = None
@@ -365,7 +371,11 @@ class Verifier:
     notes: list[str] = field(default_factory=list)
     """One line per replica whose reference replay did not reproduce, and where the twin
     could not be built."""
+    release_reference: bool = False
+    """Drop :attr:`reference` before the twin is built (the caller must hold no other
+    reference to the model for its memory to be freed); no check can follow."""
     _plain: dict[tuple[Any, ...], ReplicaReplay] = field(default_factory=dict)
+    _pending: list[_TwinJob] = field(default_factory=list, init=False, repr=False)
     _twin: MonolithicModel | None = field(default=None, init=False, repr=False)
     _twin_failed: bool = field(default=False, init=False, repr=False)
 
@@ -382,14 +392,22 @@ class Verifier:
         plain = self._plain.get(key)
         if plain is not None and (routing is None or plain.agrees_with(routing)):
             return plain
-        replay = replay_replica(self.reference, prompts, steps, routing, self.margin)
+        replay = replay_replica(self._model(), prompts, steps, routing, self.margin)
         if not replay.disagreed:  # it routed as a plain replay does: reusable
             self._plain[key] = replay
         return replay
 
+    def _model(self) -> MonolithicModel:
+        """The reference, while it is held."""
+        if self.reference is None:
+            raise RuntimeError("the reference was released for the float32 twin: check first")
+        return self.reference
+
     def check(self, prompts: Mapping[int, torch.Tensor], result: Any) -> dict[int, RequestCheck]:
-        """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`."""
-        exchanges = check_exchanges(self.reference, result)
+        """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`
+        against the reference. Requests that miss the tolerance alone are kept for
+        :meth:`twin_pass`, which adds their twin checks to the dict returned here."""
+        exchanges = check_exchanges(self._model(), result)
         recorded = getattr(result, "routing", None) or None
         replay = self.replica(prompts, result.steps, recorded)
         checks = self._against(replay, result, exchanges)
@@ -399,7 +417,10 @@ class Verifier:
         confirmed = self._confirmed(prompts, result, recorded, replay)
         if confirmed is not replay:
             checks = self._against(confirmed, result, exchanges)
-        return self._with_twin(prompts, result, recorded, confirmed, checks, tolerance)
+        drifted = [rid for rid, c in checks.items() if c.drifted(tolerance)]
+        if drifted and self.twin is not None:
+            self._pending.append(_TwinJob(prompts, result, recorded, confirmed, checks, drifted))
+        return checks
 
     def _confirmed(
         self,
@@ -410,10 +431,10 @@ class Verifier:
     ) -> ReplicaReplay:
         """The replay a failing replica is judged against: ``replay`` where a second one
         reproduces it (or a third disagrees with the second), else the later two's."""
-        again = replay_replica(self.reference, prompts, result.steps, recorded, self.margin)
+        again = replay_replica(self._model(), prompts, result.steps, recorded, self.margin)
         if same_replay(replay, again):
             return replay  # the reference reproduces: the failure stands
-        third = replay_replica(self.reference, prompts, result.steps, recorded, self.margin)
+        third = replay_replica(self._model(), prompts, result.steps, recorded, self.margin)
         requests = sorted(result.last_hidden)
         if not same_replay(again, third):
             self.notes.append(
@@ -431,41 +452,46 @@ class Verifier:
             self._plain[key] = again
         return again
 
-    def _with_twin(
-        self,
-        prompts: Mapping[int, torch.Tensor],
-        result: Any,
-        recorded: Sequence[torch.Tensor] | None,
-        replay: ReplicaReplay,
-        checks: dict[int, RequestCheck],
-        tolerance: float,
-    ) -> dict[int, RequestCheck]:
-        """``checks`` with the float32 twin's check on each request whose only problem is
-        its relative error (module docstring); unchanged without a twin."""
-        drifted = [rid for rid, c in checks.items() if c.drifted(tolerance)]
-        if not drifted or self.twin is None:
-            return checks
+    def twin_pass(self) -> None:
+        """Replay every replica kept by :meth:`check` on the float32 twin (built here, once)
+        and add a :class:`TwinCheck` to each of its drifted requests, in the dicts
+        :meth:`check` returned. With :attr:`release_reference`, the reference is dropped
+        first, its device memory returned to the driver."""
+        jobs, self._pending = self._pending, []
+        if not jobs:
+            return
+        if self.release_reference:
+            device = self._model().device
+            self.reference, self._plain = None, {}
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         twin = self._twin_model()
-        if twin is None:
-            return checks
-        try:
-            mirrored = replay_replica(twin, prompts, result.steps, recorded, self.margin)
-        except torch.OutOfMemoryError as exc:
-            self._out_of_memory(exc)
-            return checks
-        out = dict(checks)
-        for rid in drifted:
-            counts = mirrored.counts.get(rid, RoutingCounts())
-            out[rid] = dataclasses.replace(
-                checks[rid],
-                twin=TwinCheck(
-                    run_error=relative_error(result.last_hidden[rid], mirrored.outputs[rid]),
-                    reference_error=relative_error(replay.outputs[rid], mirrored.outputs[rid]),
-                    wrong=counts.first_wrong,
-                    wrong_count=counts.wrong,
-                ),
-            )
-        return out
+        for job in jobs:
+            if twin is None:
+                return
+            try:
+                mirrored = replay_replica(
+                    twin, job.prompts, job.result.steps, job.recorded, self.margin
+                )
+            except torch.OutOfMemoryError as exc:
+                self._out_of_memory(exc)
+                return
+            for rid in job.drifted:
+                counts = mirrored.counts.get(rid, RoutingCounts())
+                job.checks[rid] = dataclasses.replace(
+                    job.checks[rid],
+                    twin=TwinCheck(
+                        run_error=relative_error(
+                            job.result.last_hidden[rid], mirrored.outputs[rid]
+                        ),
+                        reference_error=relative_error(
+                            job.replay.outputs[rid], mirrored.outputs[rid]
+                        ),
+                        wrong=counts.first_wrong,
+                        wrong_count=counts.wrong,
+                    ),
+                )
 
     def _twin_model(self) -> MonolithicModel | None:
         """The float32 twin, built on first use; ``None`` (with a note) where it cannot be
@@ -481,6 +507,7 @@ class Verifier:
     def _out_of_memory(self, exc: torch.OutOfMemoryError) -> None:
         """No twin from here on (it or its replay did not fit), with a note."""
         self._twin, self._twin_failed = None, True
+        gc.collect()
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.notes.append(
             f"the float32 twin does not fit in memory ({first}); requests that missed the "
@@ -502,6 +529,20 @@ class Verifier:
             )
             for rid, hidden in result.last_hidden.items()
         }
+
+
+@dataclass
+class _TwinJob:
+    """One replica's drifted requests, waiting for :meth:`Verifier.twin_pass`."""
+
+    prompts: Mapping[int, torch.Tensor]
+    result: Any
+    recorded: Sequence[torch.Tensor] | None
+    replay: ReplicaReplay
+    """The reference's (confirmed) replay the requests were checked against."""
+    checks: dict[int, RequestCheck]
+    """The dict :meth:`Verifier.check` returned, completed in place."""
+    drifted: list[int]
 
 
 def check_exchanges(reference: MonolithicModel, result: Any) -> dict[int, ExchangeCheck]:
@@ -755,6 +796,7 @@ def verify(
     tolerance: float | None = None,
     notes: list[str] | None = None,
     twin: Callable[[], MonolithicModel] | None = None,
+    release_reference: bool = False,
 ) -> Checks:
     """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
     per-replica results by mode, FFN intervals) against ``reference``; with a
@@ -762,17 +804,23 @@ def verify(
     confirmed miss of the tolerance alone is checked against the float32 ``twin`` (built
     only then, dropped before returning), and ``notes`` receives a line for each replay
     that did not reproduce. Recorded exchanges are checked layer by layer
-    (:func:`check_exchanges`)."""
-    verifier = Verifier(reference, margin, tolerance, twin)
-    checks: Checks = {}
+    (:func:`check_exchanges`). The twin replays come after every reference check; with
+    ``release_reference`` the reference is dropped before the twin is built, so pass the
+    only reference to it (e.g. ``verify(MonolithicModel(...), ...)``) for its memory to go."""
+    verifier = Verifier(reference, margin, tolerance, twin, release_reference=release_reference)
+    del reference
+    parts: dict[str, list[dict[int, RequestCheck]]] = {}
     try:
         for modes, _, values, _ in outcomes:
             for mode in modes:
-                checks[mode] = {}
-                for replica in values:
-                    checks[mode].update(verifier.check(prompts, replica[mode]))
+                parts[mode] = [verifier.check(prompts, replica[mode]) for replica in values]
+        verifier.twin_pass()
     finally:
         verifier.close()
+    checks: Checks = {mode: {} for mode in parts}
+    for mode, replicas in parts.items():
+        for part in replicas:
+            checks[mode].update(part)
     if notes is not None:
         notes.extend(verifier.notes)
     return checks
