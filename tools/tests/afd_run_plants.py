@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from afd_models import AttentionRoleModel, FFNRoleExecutor, LayerSelect, Selection
+from afd_models import (
+    AttentionRoleModel,
+    FFNRoleExecutor,
+    LayerSelect,
+    Router,
+    Routing,
+    Selection,
+)
 from afd_protocol import Connection, WorkItem
 from afd_tools.run import ranks
 from afd_tools.run.verify import TIE_MARGIN
@@ -109,4 +116,26 @@ def scaled_exchange_ffn_rank(connection: Connection, **kwargs: Any) -> dict[str,
 
     FFNRoleExecutor.compute = compute  # type: ignore[method-assign]
     result: dict[str, Any] = ranks.ffn_rank(connection, **kwargs)
+    return result
+
+
+WEIGHT_SCALE = 1.03
+"""How far off :func:`scaled_weights_replica` makes one layer's expert weights."""
+
+
+def scaled_weights_replica(connection: Connection, **kwargs: Any) -> dict[str, Any]:
+    """A replica whose router weights at the first MoE layer are :data:`WEIGHT_SCALE` times
+    what they should be (a wrong routed scale on the attention side): the FFN ranks compute
+    exactly what they are sent, so only the weights themselves show it."""
+    first = kwargs["config"].moe_layers[0]
+    original = Router.__call__
+
+    def call(self: Router, x: torch.Tensor, select: Any = None) -> Routing:
+        routing = original(self, x, select)
+        if f".layers.{first}." in self.names.get("weight", ""):
+            return dataclasses.replace(routing, topk_weights=routing.topk_weights * WEIGHT_SCALE)
+        return routing
+
+    Router.__call__ = call  # type: ignore[method-assign]
+    result: dict[str, Any] = ranks.attention_replica(connection, **kwargs)
     return result

@@ -1,6 +1,7 @@
 """The exchange record a replica keeps for the verification (afd_tools.run.exchanges) and its
 check: which rows are kept across stages, what a missing layer or row says, the row errors
-(NaN never passes), and how the verdict reports it."""
+(NaN never passes), what came back and what went out (experts and weights against the
+reference's router on the same rows), and how the verdict reports it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from afd_models import preset as make_preset
 from afd_tools.run.exchanges import ExchangeError, ExchangeLog, StepExchanges, last_rows
 from afd_tools.run.ranks import ModeResult
 from afd_tools.run.verify import (
+    TIE_MARGIN,
     ExchangeCheck,
     RequestCheck,
     Verdict,
@@ -23,6 +25,7 @@ from afd_tools.run.verify import (
 )
 
 H, K = 4, 2
+MARGIN = TIE_MARGIN["float32"]
 
 
 DEVICES = [
@@ -97,22 +100,33 @@ def test_row_errors_are_relative_per_row_and_never_nan() -> None:
     assert errors[4] == math.inf  # anything against a zero row
 
 
-def _steps_of(model: MonolithicModel, scale: float) -> ModeResult:
-    """A replica record of two steps whose exchanges are the reference's own, except that
-    step 1's rows come back ``scale`` times too large at the last MoE layer."""
+def _steps_of(
+    model: MonolithicModel,
+    scale: float,
+    weight_scale: float = 1.0,
+    worst_expert: bool = False,
+) -> ModeResult:
+    """A replica record of two steps whose exchanges are the reference's own (its router's
+    experts and weights), except in step 1 at the last MoE layer: the rows come back
+    ``scale`` times too large, go out with weights ``weight_scale`` times too large, and
+    with ``worst_expert`` each row's k-th expert is its lowest-scoring one."""
     gen = torch.Generator().manual_seed(3)
     layers = model.config.moe_layers
-    k = model.config.num_experts_per_tok
     result = ModeResult()
     for index, step in enumerate([[(0, 0, 5, True)], [(1, 0, 4, True), (2, 0, 6, False)]]):
         rows = len(step)
         x = torch.randn(len(layers), rows, model.config.hidden_size, generator=gen)
-        draws = [
-            torch.randperm(model.config.n_routed_experts, generator=gen)[:k]
-            for _ in range(len(layers) * rows)
-        ]
-        ids = torch.stack(draws).reshape(len(layers), rows, k)
-        weights = torch.rand(len(layers), rows, k, generator=gen)
+        ids, weights = [], []
+        for i, layer in enumerate(layers):
+            moe = model.moe_layers[layer]
+            chosen = moe.router(x[i]).topk_ids
+            if index == 1 and i == len(layers) - 1 and worst_expert:
+                chosen = chosen.clone()
+                chosen[:, -1] = moe.router.scores(x[i]).argmin(dim=1)
+            ids.append(chosen)
+            weights.append(moe.routed_weights(x[i], chosen)[1])
+        if index == 1:
+            weights[-1] = weights[-1] * weight_scale
         out = torch.stack([
             model.moe_layers[layer].exchanged(x[i], ids[i], weights[i], with_shared=False)
             for i, layer in enumerate(layers)
@@ -120,18 +134,21 @@ def _steps_of(model: MonolithicModel, scale: float) -> ModeResult:
         if index == 1:
             out[-1] = out[-1] * scale
         result.steps.append(step)
-        result.exchanges.append(StepExchanges(tuple(range(rows)), x, ids, weights, out))
+        result.exchanges.append(
+            StepExchanges(tuple(range(rows)), x, torch.stack(ids), torch.stack(weights), out)
+        )
     return result
 
 
 def test_a_scaled_exchange_fails_naming_the_layer_and_the_token() -> None:
     model = MonolithicModel(make_preset("tiny"), RandomWeights(2))
-    right = check_exchanges(model, _steps_of(model, 1.0))
+    right = check_exchanges(model, _steps_of(model, 1.0), MARGIN)
     layers = len(model.config.moe_layers)
     assert set(right) == {0, 1, 2}
-    assert all(c.error <= 1e-6 for c in right.values())
+    assert all(c.error <= 1e-6 and c.weight_error <= 1e-6 for c in right.values())
+    assert all(c.wrong is None and c.problem(1e-6) is None for c in right.values())
     assert right[0].rows == layers
-    wrong = check_exchanges(model, _steps_of(model, 1.03))
+    wrong = check_exchanges(model, _steps_of(model, 1.03), MARGIN)
     assert wrong[0].error <= 1e-6  # step 0 is right
     last = model.config.moe_layers[-1]
     for rid, position in ((1, 3), (2, 5)):
@@ -143,7 +160,55 @@ def test_a_scaled_exchange_fails_naming_the_layer_and_the_token() -> None:
             f"3.00e-02 off from the reference's ({layers} token-layer rows checked)"
         )
         assert check.problem(5e-2) is None
-    assert check_exchanges(model, ModeResult()) == {}
+    assert check_exchanges(model, ModeResult(), MARGIN) == {}
+
+
+def test_weights_sent_off_from_the_router_fail_though_the_experts_answered_them() -> None:
+    """The replica's weights at the last layer 3 % too large (a wrong routed scale on the
+    attention side): the FFN computed exactly what it was sent, so the returned rows match,
+    but the weights are checked against the reference's router on the same rows."""
+    model = MonolithicModel(make_preset("tiny"), RandomWeights(2))
+    checks = check_exchanges(model, _steps_of(model, 1.0, weight_scale=1.03), MARGIN)
+    last = model.config.moe_layers[-1]
+    layers = len(model.config.moe_layers)
+    assert checks[0].weight_error <= 1e-6
+    assert checks[0].problem(2e-2) is None
+    for rid, position in ((1, 3), (2, 5)):
+        check = checks[rid]
+        assert check.error <= 1e-6  # what came back is what was asked for
+        assert check.weight_error == pytest.approx(0.03, rel=1e-3)
+        assert (check.weight_layer, check.weight_position) == (last, position)
+        assert check.problem(2e-2) == (
+            f"the MoE exchange at layer {last} weighted token {position}'s experts 3.00e-02 "
+            f"off from the reference router's weights ({layers} token-layer rows checked)"
+        )
+
+
+def test_experts_the_router_would_not_choose_fail_unless_near_a_tie() -> None:
+    """Each row of step 1 sent to its lowest-scoring expert at the last layer: a wrong
+    expert by the reference's router on the same row, named with the layer and token; with
+    a margin that makes every decision a near tie, it is followed and passes."""
+    model = MonolithicModel(make_preset("tiny"), RandomWeights(2))
+    record = _steps_of(model, 1.0, worst_expert=True)
+    checks = check_exchanges(model, record, MARGIN)
+    last = model.config.moe_layers[-1]
+    assert checks[0].wrong is None
+    for rid, position in ((1, 3), (2, 5)):
+        check = checks[rid]
+        assert check.wrong is not None
+        assert check.wrong_count == 1
+        assert (check.wrong.layer, check.wrong.position) == (last, position)
+        assert check.wrong.run != check.wrong.reference
+        assert check.wrong.gap > MARGIN
+        problem = check.problem(2e-2)
+        assert problem is not None
+        assert problem.startswith(
+            f"the router on a dispatched row: wrong expert at layer {last}: token {position} "
+            f"went to experts {list(check.wrong.run)} where the reference routes it to "
+            f"{list(check.wrong.reference)} with no near tie"
+        )
+    followed = check_exchanges(model, record, math.inf)
+    assert all(c.wrong is None and c.problem(2e-2) is None for c in followed.values())
 
 
 def test_the_verdict_reports_the_exchange_and_fails_on_it_first() -> None:
@@ -164,11 +229,28 @@ def test_the_verdict_reports_the_exchange_and_fails_on_it_first() -> None:
     }  # fmt: skip
     data = json.loads(json.dumps(verdict.as_json(), allow_nan=False))
     assert data["verification_exchanges"] == {
-        "async": {"rows": 6, "worst": 3e-2, "request": 1, "layer": 1, "position": 3},
-        "sync": {"rows": 2, "worst": None, "request": 0, "layer": 1, "position": 7},
+        "async": {
+            "rows": 6,
+            "worst": 3e-2,
+            "request": 1,
+            "layer": 1,
+            "position": 3,
+            "weights_worst": 0.0,
+            "router_wrong": 0,
+        },
+        "sync": {
+            "rows": 2,
+            "worst": None,
+            "request": 0,
+            "layer": 1,
+            "position": 7,
+            "weights_worst": 0.0,
+            "router_wrong": 0,
+        },
     }
     passing = Verdict({"async": {0: RequestCheck(1e-3, exchange=fine)}}, 2e-2, 2.0**-3)
     assert (
         ", and so does every MoE exchange, layer by layer (2 token-layer rows: each "
-        "chunk's last token; worst 4.0e-03, request 0 at layer 2 in async)" in passing.pass_line()
+        "chunk's last token; worst 4.0e-03, request 0 at layer 2 in async; the experts sent "
+        "the router's own, their weights within 0.0e+00)" in passing.pass_line()
     )

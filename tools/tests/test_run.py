@@ -163,6 +163,36 @@ def test_a_wrong_exchange_at_one_layer_fails_though_the_final_states_are_within_
     assert 2e-2 < worst["worst"] < 4e-2  # the planted 3 %, give or take one layer's rounding
 
 
+def test_weights_sent_off_at_one_layer_fail_though_the_exchange_and_final_states_agree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica's expert weights at the first MoE layer are 3 % too large (a wrong
+    routed scale on the attention side): the FFN rank returns exactly what it was asked
+    for, and in bf16 the final states stay within the tolerance, but the weights, checked
+    against the reference's router on the rows the replica sent, fail by name."""
+    import afd_run_plants
+
+    from afd_tools.run import ranks
+
+    monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.scaled_weights_replica)
+    report = tmp_path / "run.json"
+    assert main([*ONE_PAIR, "--dtype", "bfloat16", "--json", str(report)]) == 1
+    fail = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL"))
+    assert "the MoE exchange at layer 1 weighted token " in fail
+    data = _strict_json(report.read_text())
+    failed = data["verification_failures"]["async"]
+    assert len(failed) == 8  # every request: each chunk's last token goes through layer 1
+    for rid in failed:
+        reason = data["verification_reasons"]["async"][str(rid)]
+        assert reason.startswith("the MoE exchange at layer 1 weighted token "), reason
+    within = [r for r in failed if data["verification_errors"]["async"][str(r)] <= 2e-2]
+    assert within, data["verification_errors"]  # the final states alone would have passed
+    exchanges = data["verification_exchanges"]["async"]
+    assert exchanges["worst"] <= 2e-2  # the FFN side did what it was told
+    assert 2.5e-2 < exchanges["weights_worst"] < 3.5e-2  # the planted 3 %
+    assert exchanges["router_wrong"] == 0
+
+
 def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,7 +14,7 @@ from afd_models.backends import ExpertBackend
 from afd_models.config import DeepseekConfig
 from afd_models.experts import ExpertWeights, GroupedRows
 from afd_models.mlp import GatedMLP
-from afd_models.router import Router, Select
+from afd_models.router import Router, Select, Selection
 from afd_models.scaling import BranchScales
 
 
@@ -89,6 +89,24 @@ class MoELayer:
             shared = self.shared(x)
             out = out + (shared * scales.shared if scales.shared != 1.0 else shared)
         return out
+
+    def routed_weights(
+        self, x: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[Selection, torch.Tensor]:
+        """The router's :class:`~afd_models.router.Selection` for rows ``x [t, H]`` (its own
+        top-k and tie gaps) and the weights it gives the experts ``topk_ids`` (int64
+        ``[t, k]``, whichever were chosen): float32 ``[t, k]`` on this layer's device, the
+        routed scale applied, as :meth:`__call__` weights its own choice. What an observed
+        exchange's routing is checked against."""
+        seen: list[Selection] = []
+
+        def keep(selection: Selection) -> torch.Tensor:
+            seen.append(selection)
+            return topk_ids.to(device=selection.ids.device, dtype=selection.ids.dtype)
+
+        routing = self.router(x, keep)
+        scales = BranchScales.for_dtype(self.config.routed_scaling_factor, x.dtype)
+        return seen[0], routing.topk_weights * scales.routed
 
     def __call__(self, x: torch.Tensor, select: Select | None = None) -> torch.Tensor:
         """The MoE output ``[T, H]`` (``x.dtype``) of ``x [T, H]``; ``select`` is the

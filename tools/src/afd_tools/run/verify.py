@@ -118,7 +118,9 @@ class RoutingCounts:
 class ExchangeCheck:
     """A request's recorded exchanges -- its chunks' last tokens at every MoE layer --
     against the reference's experts on the same rows, experts and weights
-    (:meth:`afd_models.MoELayer.exchanged`): the worst of them."""
+    (:meth:`afd_models.MoELayer.exchanged`), and the experts and weights the replica sent
+    against the reference's router on the same rows
+    (:meth:`afd_models.MoELayer.routed_weights`): the worst of each."""
 
     error: float
     """The largest relative error of a row (``inf`` where either side is not finite)."""
@@ -127,15 +129,35 @@ class ExchangeCheck:
     """Where it was: the layer, and the token's position in its prompt."""
     rows: int
     """How many (token, layer) rows of the request were checked."""
+    weight_error: float = 0.0
+    """The largest relative error of a row's expert weights against the weights the
+    reference's router gives the same experts (``inf`` where not finite)."""
+    weight_layer: int = -1
+    weight_position: int = -1
+    """Where that was."""
+    wrong: WrongExpert | None = None
+    """The first row (in layer order) whose experts are not the reference router's own
+    top-k for it, with no near tie: a router fault at one layer's rounding, whatever the
+    depth."""
+    wrong_count: int = 0
 
     def problem(self, tolerance: float) -> str | None:
-        if self.error <= tolerance:
-            return None
-        shown = "not finite" if math.isinf(self.error) else f"{self.error:.2e} off"
-        return (
-            f"the MoE exchange at layer {self.layer} returned token {self.position}'s experts "
-            f"{shown} from the reference's ({self.rows} token-layer rows checked)"
-        )
+        if self.wrong is not None:
+            return f"the router on a dispatched row: {self.wrong.describe(self.wrong_count)}"
+        if not self.error <= tolerance:
+            shown = "not finite" if math.isinf(self.error) else f"{self.error:.2e} off"
+            return (
+                f"the MoE exchange at layer {self.layer} returned token {self.position}'s "
+                f"experts {shown} from the reference's ({self.rows} token-layer rows checked)"
+            )
+        if not self.weight_error <= tolerance:
+            shown = "not finite" if math.isinf(self.weight_error) else f"{self.weight_error:.2e}"
+            return (
+                f"the MoE exchange at layer {self.weight_layer} weighted token "
+                f"{self.weight_position}'s experts {shown} off from the reference router's "
+                f"weights ({self.rows} token-layer rows checked)"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -407,7 +429,7 @@ class Verifier:
         """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`
         against the reference. Requests that miss the tolerance alone are kept for
         :meth:`twin_pass`, which adds their twin checks to the dict returned here."""
-        exchanges = check_exchanges(self._model(), result)
+        exchanges = check_exchanges(self._model(), result, self.margin)
         recorded = getattr(result, "routing", None) or None
         replay = self.replica(prompts, result.steps, recorded)
         checks = self._against(replay, result, exchanges)
@@ -545,12 +567,17 @@ class _TwinJob:
     drifted: list[int]
 
 
-def check_exchanges(reference: MonolithicModel, result: Any) -> dict[int, ExchangeCheck]:
-    """Each request's worst recorded exchange (``result.exchanges``, one
+def check_exchanges(
+    reference: MonolithicModel, result: Any, margin: float
+) -> dict[int, ExchangeCheck]:
+    """Each request's recorded exchanges (``result.exchanges``, one
     :class:`~afd_tools.run.exchanges.StepExchanges` or ``None`` per step; with the shared
-    experts where ``result.exchange_includes_shared``) against ``reference``'s experts: every
-    MoE layer's rows of every step computed in one call on the reference's device. Empty for
-    a mode without an exchange."""
+    experts where ``result.exchange_includes_shared``) against ``reference``: what came back
+    against its experts on the same rows, experts and weights, and the experts and weights
+    that went out against its router on the same rows (a choice other than the router's own
+    top-k is wrong unless within ``margin`` of a tie). Every MoE layer's rows of every step
+    are computed in one call on the reference's device. Empty for a mode without an
+    exchange."""
     records = getattr(result, "exchanges", None) or []
     if not records:
         return {}
@@ -568,19 +595,52 @@ def check_exchanges(reference: MonolithicModel, result: Any) -> dict[int, Exchan
     layers = reference.config.moe_layers
     rows = Counter(rid for rid, _ in owners)  # probed tokens per request, each at every layer
     with_shared = bool(getattr(result, "exchange_includes_shared", False))
-    worst: dict[int, ExchangeCheck] = {}
+    worst: dict[int, tuple[float, int, int]] = {}
+    heaviest: dict[int, tuple[float, int, int]] = {}
+    wrong: dict[int, tuple[WrongExpert, int]] = {}
     with torch.inference_mode():
         for index, layer in enumerate(layers):
-            expected = reference.moe_layers[layer].exchanged(
-                x[index].to(device), ids[index].to(device), weights[index].to(device),
-                with_shared=with_shared,
-            )  # fmt: skip
-            errors = row_errors(out[index], expected)
-            for (rid, position), error in zip(owners, errors.tolist(), strict=True):
-                held = worst.get(rid)
-                if held is None or error > held.error:
-                    worst[rid] = ExchangeCheck(error, layer, position, rows[rid] * len(layers))
-    return worst
+            moe = reference.moe_layers[layer]
+            rows_x, chosen = x[index].to(device), ids[index].to(device, torch.int64)
+            sent = weights[index].to(device)
+            expected = moe.exchanged(rows_x, chosen, sent, with_shared=with_shared)
+            selection, router_weights = moe.routed_weights(rows_x, chosen)
+            errors = row_errors(out[index], expected).tolist()
+            weight_errors = row_errors(sent, router_weights).tolist()
+            own = selection.ids.sort(dim=1).values.cpu()
+            run = chosen.sort(dim=1).values.cpu()
+            gaps = selection.tie_gaps().cpu()
+            off = ((own != run).any(dim=1) & ~(gaps <= margin)).tolist()
+            for row, (rid, position) in enumerate(owners):
+                _keep_worst(worst, rid, (errors[row], layer, position))
+                _keep_worst(heaviest, rid, (weight_errors[row], layer, position))
+                if off[row]:
+                    first, count = wrong.get(rid, (None, 0))
+                    if first is None:
+                        first = WrongExpert(
+                            layer, position, tuple(run[row].tolist()), tuple(own[row].tolist()),
+                            float(gaps[row]),
+                        )  # fmt: skip
+                    wrong[rid] = (first, count + 1)
+    out_checks: dict[int, ExchangeCheck] = {}
+    for rid, (error, layer, position) in worst.items():
+        weight_error, weight_layer, weight_position = heaviest[rid]
+        first, count = wrong.get(rid, (None, 0))
+        out_checks[rid] = ExchangeCheck(
+            error, layer, position, rows[rid] * len(layers),
+            weight_error, weight_layer, weight_position, first, count,
+        )  # fmt: skip
+    return out_checks
+
+
+def _keep_worst(
+    held: dict[int, tuple[float, int, int]], rid: int, candidate: tuple[float, int, int]
+) -> None:
+    """Keep ``candidate`` (error, layer, position) for ``rid`` if its error is the largest
+    so far (``inf`` counts as the largest)."""
+    current = held.get(rid)
+    if current is None or candidate[0] > current[0]:
+        held[rid] = candidate
 
 
 def _end_to_end(check: RequestCheck, tolerance: float) -> bool:
@@ -651,6 +711,12 @@ class Verdict:
                 out[mode] = (sum(e.rows for _, e in held), rid, worst)
         return out
 
+    def _exchange_routing(self, mode: str) -> tuple[float, int]:
+        """``mode``'s largest expert-weight error over its checked exchanges, and how many
+        dispatched rows went to other experts than the reference router's with no near tie."""
+        held = [c.exchange for c in self.checks[mode].values() if c.exchange is not None]
+        return max(e.weight_error for e in held), sum(e.wrong_count for e in held)
+
     def twin_checks(self) -> dict[str, dict[int, TwinCheck]]:
         """Per mode with any, request id -> its float32 twin's check (passed or not)."""
         out: dict[str, dict[int, TwinCheck]] = {}
@@ -717,6 +783,8 @@ class Verdict:
                     "request": rid,
                     "layer": check.layer,
                     "position": check.position,
+                    "weights_worst": _number(self._exchange_routing(m)[0]),
+                    "router_wrong": self._exchange_routing(m)[1],
                 }
                 for m, (rows, rid, check) in self.exchanges().items()
             },
@@ -752,10 +820,12 @@ class Verdict:
             return ""
         rows = sum(n for n, _, _ in checked.values())
         mode, (_, rid, worst) = max(checked.items(), key=lambda item: item[1][2].error)
+        weights = max(self._exchange_routing(m)[0] for m in checked)
         return (
             f", and so does every MoE exchange, layer by layer ({rows} token-layer rows: each "
             f"chunk's last token; worst {worst.error:.1e}, request {rid} at layer {worst.layer}"
-            f" in {mode})"
+            f" in {mode}; the experts sent the router's own, their weights within "
+            f"{weights:.1e})"
         )
 
     def _twin_text(self) -> str:
