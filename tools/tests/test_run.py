@@ -135,6 +135,27 @@ def test_a_planted_wrong_expert_and_a_nan_fail_naming_request_mode_and_layer(
     assert data["verification_reasons"]["async"]["1"].startswith("not finite: the run's output")
 
 
+def _layer_one_fault_fails_every_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], reason: str
+) -> dict[str, Any]:
+    """Run ONE_PAIR in bf16 with a fault planted at the first MoE layer (already patched
+    in): it fails every request with ``reason`` (the start of each one's reason), while
+    some final states alone are within the tolerance; returns the JSON report."""
+    report = tmp_path / "run.json"
+    assert main([*ONE_PAIR, "--dtype", "bfloat16", "--json", str(report)]) == 1
+    fail = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL"))
+    assert reason in fail
+    data: dict[str, Any] = _strict_json(report.read_text())
+    failed = data["verification_failures"]["async"]
+    assert len(failed) == 8  # every request: each chunk's last token goes through layer 1
+    reasons = data["verification_reasons"]["async"]
+    for rid in failed:
+        assert reasons[str(rid)].startswith(reason), reasons
+    within = [r for r in failed if data["verification_errors"]["async"][str(r)] <= 2e-2]
+    assert within, data["verification_errors"]  # the final states alone would have passed
+    return data
+
+
 def test_a_wrong_exchange_at_one_layer_fails_though_the_final_states_are_within_tolerance(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,18 +167,9 @@ def test_a_wrong_exchange_at_one_layer_fails_though_the_final_states_are_within_
     from afd_tools.run import ranks
 
     monkeypatch.setattr(ranks, "ffn_rank", afd_run_plants.scaled_exchange_ffn_rank)
-    report = tmp_path / "run.json"
-    assert main([*ONE_PAIR, "--dtype", "bfloat16", "--json", str(report)]) == 1
-    fail = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL"))
-    assert "the MoE exchange at layer 1 returned token " in fail
-    data = _strict_json(report.read_text())
-    failed = data["verification_failures"]["async"]
-    assert len(failed) == 8  # every request: each chunk's last token goes through layer 1
-    reasons = data["verification_reasons"]["async"]
-    for rid in failed:
-        assert reasons[str(rid)].startswith("the MoE exchange at layer 1 returned token "), reasons
-    within = [r for r in failed if data["verification_errors"]["async"][str(r)] <= 2e-2]
-    assert within, data["verification_errors"]  # the final states alone would have passed
+    data = _layer_one_fault_fails_every_request(
+        tmp_path, capsys, "the MoE exchange at layer 1 returned token "
+    )
     worst = data["verification_exchanges"]["async"]
     assert worst["layer"] == 1
     assert 2e-2 < worst["worst"] < 4e-2  # the planted 3 %, give or take one layer's rounding
@@ -175,18 +187,9 @@ def test_weights_sent_off_at_one_layer_fail_though_the_exchange_and_final_states
     from afd_tools.run import ranks
 
     monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.scaled_weights_replica)
-    report = tmp_path / "run.json"
-    assert main([*ONE_PAIR, "--dtype", "bfloat16", "--json", str(report)]) == 1
-    fail = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL"))
-    assert "the MoE exchange at layer 1 weighted token " in fail
-    data = _strict_json(report.read_text())
-    failed = data["verification_failures"]["async"]
-    assert len(failed) == 8  # every request: each chunk's last token goes through layer 1
-    for rid in failed:
-        reason = data["verification_reasons"]["async"][str(rid)]
-        assert reason.startswith("the MoE exchange at layer 1 weighted token "), reason
-    within = [r for r in failed if data["verification_errors"]["async"][str(r)] <= 2e-2]
-    assert within, data["verification_errors"]  # the final states alone would have passed
+    data = _layer_one_fault_fails_every_request(
+        tmp_path, capsys, "the MoE exchange at layer 1 weighted token "
+    )
     exchanges = data["verification_exchanges"]["async"]
     assert exchanges["worst"] <= 2e-2  # the FFN side did what it was told
     assert 2.5e-2 < exchanges["weights_worst"] < 3.5e-2  # the planted 3 %
