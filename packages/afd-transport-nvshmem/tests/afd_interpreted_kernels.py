@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+import afd_interpreter_xor
 import torch
 
 from afd_protocol import (
@@ -440,6 +441,7 @@ def main(argv: list[str]) -> int:
     """Run the named groups (all of them when none is named); each group is its own test in
     CI, so no one interpreter run carries every kernel."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    afd_interpreter_xor.install()
     unknown = [name for name in argv if name not in GROUPS]
     if unknown:
         print(f"unknown group(s) {unknown}; choose from {sorted(GROUPS)}", file=sys.stderr)

@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import afd_interpreter_xor
 import pytest
 import torch
 
@@ -63,6 +64,8 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="runs in test_graphed_ffn_interpreted.py's interpreter subprocess",
 )
+if os.environ.get("TRITON_INTERPRET") == "1":
+    afd_interpreter_xor.install()  # the header CRCs' XOR reductions in numpy
 
 if TYPE_CHECKING:
     from afd_protocol import WindowLayout
