@@ -178,10 +178,11 @@ def test_a_wrong_exchange_at_one_layer_fails_though_the_final_states_are_within_
 def test_weights_sent_off_at_one_layer_fail_though_the_exchange_and_final_states_agree(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The replica's expert weights at the first MoE layer are 3 % too large (a wrong
-    routed scale on the attention side): the FFN rank returns exactly what it was asked
-    for, and in bf16 the final states stay within the tolerance, but the weights, checked
-    against the reference's router on the rows the replica sent, fail by name."""
+    """The replica's expert weights at the first MoE layer are 1 % too large (a wrong
+    routed scale on the attention side, half the bf16 tolerance): the FFN rank returns
+    exactly what it was asked for, and in bf16 the final states stay within the tolerance,
+    but the weights, checked against the reference's router on the rows the replica sent
+    to 1e-4, fail by name."""
     import afd_run_plants
 
     from afd_tools.run import ranks
@@ -192,7 +193,7 @@ def test_weights_sent_off_at_one_layer_fail_though_the_exchange_and_final_states
     )
     exchanges = data["verification_exchanges"]["async"]
     assert exchanges["worst"] <= 2e-2  # the FFN side did what it was told
-    assert 2.5e-2 < exchanges["weights_worst"] < 3.5e-2  # the planted 3 %
+    assert 0.9e-2 < exchanges["weights_worst"] < 1.1e-2  # the planted 1 %
     assert exchanges["router_wrong"] == 0
 
 

@@ -42,18 +42,35 @@ def mlp(weights: Weights, prefix: str, x: torch.Tensor) -> torch.Tensor:
 # ---- router ------------------------------------------------------------------------
 
 
+def token_scores(config: DeepseekConfig, gate: torch.Tensor, x: torch.Tensor) -> list[float]:
+    """Every expert's unbiased score for one token (softmax or sigmoid of the logits)."""
+    logits = [float(gate[e].double() @ x.double()) for e in range(config.n_routed_experts)]
+    if config.scoring_func == "softmax":
+        top = max(logits)
+        exps = [math.exp(v - top) for v in logits]
+        return [v / sum(exps) for v in exps]
+    return [1.0 / (1.0 + math.exp(-v)) for v in logits]
+
+
+def token_weights(
+    config: DeepseekConfig, gate: torch.Tensor, x: torch.Tensor, experts: Sequence[int]
+) -> list[float]:
+    """The router's weights for one token routed to ``experts`` (any of them, chosen or
+    not): their scores, renormalised when ``norm_topk_prob``, before routed_scaling_factor."""
+    scores = token_scores(config, gate, x)
+    weights = [scores[e] for e in experts]
+    if config.norm_topk_prob:
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    return weights
+
+
 def route_token(
     config: DeepseekConfig, gate: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
 ) -> dict[int, float]:
     """``{expert: weight}`` for one token (weights before routed_scaling_factor)."""
     experts = config.n_routed_experts
-    logits = [float(gate[e].double() @ x.double()) for e in range(experts)]
-    if config.scoring_func == "softmax":
-        top = max(logits)
-        exps = [math.exp(v - top) for v in logits]
-        scores = [v / sum(exps) for v in exps]
-    else:
-        scores = [1.0 / (1.0 + math.exp(-v)) for v in logits]
+    scores = token_scores(config, gate, x)
     choice = [s + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(scores)]
     candidates = list(range(experts))
     if config.topk_method in ("group_limited_greedy", "noaux_tc"):

@@ -98,6 +98,40 @@ def test_float16_scales_the_shared_branch_down_instead(name: str) -> None:
     assert naive.relative_error(out, expected) <= 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_routed_weights_are_the_routers_for_any_experts(name: str, dtype: torch.dtype) -> None:
+    """``MoELayer.routed_weights``, what the verification holds a replica's sent weights to:
+    for the router's own top-k and for other experts, the naive router's weights of those
+    experts on the model's own gate (renormalised with ``norm_topk_prob``), times the routed
+    scale the dtype applies (none in float16); its selection is the naive top-k."""
+    m = model(name, dtype)
+    config, layer = m.config, m.config.moe_layers[-1]
+    moe, gate = m.moe_layers[layer], m.tensors()[f"model.layers.{layer}.mlp.gate.weight"]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, config.hidden_size, generator=gen).to(dtype)
+    k, experts = config.num_experts_per_tok, config.n_routed_experts
+    others = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(9)])
+    scale = 1.0 if dtype == torch.float16 else config.routed_scaling_factor
+    with torch.inference_mode():
+        own = moe.router(x).topk_ids
+        for ids in (own, others):
+            selection, weights = moe.routed_weights(x, ids)
+            assert weights.dtype == torch.float32
+            assert weights.shape == (9, k)
+            expected = torch.tensor(
+                [naive.token_weights(config, gate, x[t], ids[t].tolist()) for t in range(9)],
+                dtype=torch.float64,
+            )
+            assert torch.isfinite(weights).all()
+            assert torch.allclose(weights.double(), expected * scale, rtol=1e-5, atol=0)
+            assert torch.equal(selection.ids, own)
+    bias_name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    bias = m.tensors()[bias_name].double() if bias_name in m.tensors() else None
+    for t in range(9):
+        assert set(own[t].tolist()) == set(naive.route_token(config, gate, bias, x[t]))
+
+
 def test_branch_scales() -> None:
     assert BranchScales.for_dtype(2.5, torch.bfloat16) == BranchScales(2.5, 1.0, 1.0)
     assert BranchScales.for_dtype(2.5, torch.float32) == BranchScales(2.5, 1.0, 1.0)

@@ -102,16 +102,6 @@ def test_no_candidate_beyond_the_top_k_is_no_tie() -> None:
     assert float(selection_of(router, x).tie_gaps()[0]) == math.inf
 
 
-def naive_scores(config: DeepseekConfig, gate: torch.Tensor, x: torch.Tensor) -> list[float]:
-    """One token's unbiased router scores in float64 (softmax or sigmoid of the logits)."""
-    logits = [float(gate[e].double() @ x.double()) for e in range(config.n_routed_experts)]
-    if config.scoring_func == "softmax":
-        top = max(logits)
-        exps = [math.exp(v - top) for v in logits]
-        return [v / sum(exps) for v in exps]
-    return [sigmoid(v) for v in logits]
-
-
 @pytest.mark.parametrize("name", ["tiny", "v3-mini"])
 def test_forced_experts_get_the_routers_own_weights(name: str) -> None:
     """A hook sends token 2 to its two lowest-scoring experts: the MoE output is the naive
@@ -134,7 +124,7 @@ def test_forced_experts_get_the_routers_own_weights(name: str) -> None:
     gate = naive.w64(weights, f"{prefix}gate.weight")
     expected = naive.moe(config, weights, layer, x)
     token = x[2].double()
-    scores = naive_scores(config, gate, token)
+    scores = naive.token_scores(config, gate, token)
     chosen = sorted(range(config.n_routed_experts), key=lambda e: scores[e])[
         : config.num_experts_per_tok
     ]
