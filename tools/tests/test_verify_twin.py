@@ -38,6 +38,7 @@ from afd_tools.run.ranks import ModeResult
 from afd_tools.run.verify import (
     DRIFT_FACTOR,
     TIE_MARGIN,
+    ReferenceBuilder,
     RequestCheck,
     TwinCheck,
     Verdict,
@@ -168,10 +169,10 @@ def test_a_planted_error_at_depth_still_fails(reference: MonolithicModel) -> Non
 
 
 def test_the_reference_is_released_before_the_twin_is_built(reference: MonolithicModel) -> None:
-    """With ``release_reference`` (what afd run passes), the twin is built only after every
-    replica of every mode is checked and the reference is gone (v2-lite's reference and
-    twin do not fit an H100 together); the verdicts equal those of a run that keeps it, for
-    two modes of two replicas."""
+    """With a reference verify() builds itself (as afd run passes it), the twin is built
+    only after every replica of every mode is checked and the reference is gone (v2-lite's
+    reference and twin do not fit an H100 together); the verdicts equal those of a run that
+    keeps it, for two modes of two replicas."""
     result = bf16_run()
     outcomes: list[tuple[list[str], list[Any], list[dict[str, Any]], list[Any]]] = [
         (["async", "sync"], [], [{"async": result, "sync": result}] * 2, [])
@@ -182,7 +183,7 @@ def test_the_reference_is_released_before_the_twin_is_built(reference: Monolithi
     build = twin_builder()
 
     def own_reference() -> MonolithicModel:
-        """A reference no one else holds (as afd run builds it, inline)."""
+        """A reference no one else holds (afd run's is built by verify() too)."""
         model = MonolithicModel(make_preset("tiny", num_layers=DEPTH), RandomWeights(SEED),
                                 dtype=torch.bfloat16)  # fmt: skip
         held.append(weakref.ref(model))
@@ -193,8 +194,9 @@ def test_the_reference_is_released_before_the_twin_is_built(reference: Monolithi
         alive.append(held[0]() is not None)
         return build()
 
-    released = verify(own_reference(), outcomes, prompts(), MARGIN, TOL, None,
-                      twin_after_release, release_reference=True)  # fmt: skip
+    released = verify(
+        ReferenceBuilder(own_reference), outcomes, prompts(), MARGIN, TOL, None, twin_after_release
+    )
     assert alive == [False]  # built once, after the reference was freed
     assert released == kept
     assert set(released) == {"async", "sync"}

@@ -38,7 +38,7 @@ from afd_tools.run.job import RunJob
 from afd_tools.run.launches import SPAWN, Outcome, launches
 from afd_tools.run.plan import RunPlan, prepare
 from afd_tools.run.sharing import describe_sharing
-from afd_tools.run.verify import Checks, Verdict, verify
+from afd_tools.run.verify import Checks, ReferenceBuilder, Verdict, verify
 
 
 @dataclass
@@ -226,25 +226,23 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
         rounded = RoundedWeights(ranks.random_weights(job.seed, torch.device(device)), dtype)
         return MonolithicModel(config, rounded, dtype=torch.float32, device=device)
 
+    def reference() -> MonolithicModel:
+        """The monolithic model in the run's dtype, with the FFN ranks' backend: built by
+        verify(), which drops it before the twin is built (the two need not fit in device
+        memory together)."""
+        weights = ranks.random_weights(job.seed, torch.device(device))
+        return MonolithicModel(config, weights, dtype=dtype, device=device, backend=backend)
+
     notes: list[str] = []
     lower = dtype != torch.float32
-    # The reference is built inline, held by verify() alone: it is dropped before the twin
-    # is built, so the two need not fit in device memory together.
     checks = verify(
-        MonolithicModel(
-            config,
-            ranks.random_weights(job.seed, torch.device(device)),
-            dtype=dtype,
-            device=device,
-            backend=backend,
-        ),
+        ReferenceBuilder(reference),
         outcomes,
         prompts,
         job.margin,
         job.tolerance,
         notes,
         twin if lower else None,
-        release_reference=True,
     )
     for note in notes:
         print(f"afd run: verification: {note}", file=sys.stderr, flush=True)

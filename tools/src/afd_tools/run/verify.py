@@ -870,15 +870,22 @@ def _number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+@dataclass(frozen=True)
+class ReferenceBuilder:
+    """A reference :func:`verify` builds itself, holds alone and drops before the twin is
+    built (a model passed in stays alive beside the twin: its caller holds it)."""
+
+    build: Callable[[], MonolithicModel]
+
+
 def verify(
-    reference: MonolithicModel,
+    reference: MonolithicModel | ReferenceBuilder,
     outcomes: Sequence[tuple[Sequence[str], Sequence[Any], Sequence[Mapping[str, Any]], Any]],
     prompts: Mapping[int, torch.Tensor],
     margin: float,
     tolerance: float | None = None,
     notes: list[str] | None = None,
     twin: Callable[[], MonolithicModel] | None = None,
-    release_reference: bool = False,
 ) -> Checks:
     """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
     per-replica results by mode, FFN intervals) against ``reference``; with a
@@ -886,11 +893,18 @@ def verify(
     confirmed miss of the tolerance alone is checked against the float32 ``twin`` (built
     only then, dropped before returning), and ``notes`` receives a line for each replay
     that did not reproduce. Recorded exchanges are checked layer by layer
-    (:func:`check_exchanges`). The twin replays come after every reference check; with
-    ``release_reference`` the reference is dropped before the twin is built, so pass the
-    only reference to it (e.g. ``verify(MonolithicModel(...), ...)``) for its memory to go."""
-    verifier = Verifier(reference, margin, tolerance, twin, release_reference=release_reference)
-    del reference
+    (:func:`check_exchanges`). The twin replays come after every reference check.
+
+    ``reference`` is the model, or a :class:`ReferenceBuilder`: a model built here is held
+    by the verifier alone and dropped before the twin is built, so the two need not fit in
+    device memory together (v2-lite's 27 bf16 layers and their twin do not fit an H100).
+    A model passed in stays alive (the caller holds it) beside the twin."""
+    if isinstance(reference, ReferenceBuilder):
+        model, built = reference.build(), True
+    else:
+        model, built = reference, False
+    verifier = Verifier(model, margin, tolerance, twin, release_reference=built)
+    del model, reference
     parts: dict[str, list[dict[int, RequestCheck]]] = {}
     try:
         for modes, _, values, _ in outcomes:
@@ -914,6 +928,7 @@ __all__ = [
     "ROUTER_WEIGHT_TOLERANCE",
     "TIE_MARGIN",
     "Checks",
+    "ReferenceBuilder",
     "ReplicaReplay",
     "RequestCheck",
     "RoutingCounts",
