@@ -200,14 +200,14 @@ def test_weights_sent_off_at_one_layer_fail_though_the_exchange_and_final_states
 def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The replica flips its k-th and (k+1)-th experts wherever its scores are within a
-    quarter of the bf16 tie margin: the reference follows it there, the run passes, and
-    the flips are counted."""
+    """The replica's norms round differently (``afd_run_plants.drifted_replica``), so its
+    router, right on its own states, flips decisions the reference makes at near ties on
+    its states: the reference follows them, the run passes, and the flips are counted."""
     import afd_run_plants
 
     from afd_tools.run import ranks
 
-    monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.near_tie_replica)
+    monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.drifted_replica)
     report = tmp_path / "run.json"
     argv = [*ONE_PAIR, "--dtype", "bfloat16", "--requests", "16", "--json", str(report)]
     assert main(argv) == 0
@@ -225,6 +225,31 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
     assert ties["decisions"] >= ties["followed"]
     assert f"async {ties['decisions']} ({ties['followed']} followed, largest gap " in out
     assert 0 < ties["largest_followed_gap"] <= TIE_MARGIN["bfloat16"]
+
+
+def test_a_router_that_flips_near_ties_itself_fails_the_layer_local_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica's router takes its (k+1)-th expert wherever its own scores are within a
+    quarter of the bf16 tie margin: the end-to-end check would follow every such flip,
+    but at each chunk's last token the reference's router sees the same row and holds the
+    choice to one layer's rounding (``LAYER_TIE_MARGIN``), so the requests where a flip
+    landed on such a row fail by name."""
+    import afd_run_plants
+
+    from afd_tools.run import ranks
+
+    monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.near_tie_replica)
+    report = tmp_path / "run.json"
+    argv = [*ONE_PAIR, "--dtype", "bfloat16", "--requests", "16", "--json", str(report)]
+    assert main(argv) == 1
+    assert "FAIL" in capsys.readouterr().out
+    data = _strict_json(report.read_text())
+    reasons = data["verification_reasons"]["async"]
+    assert reasons
+    for reason in reasons.values():
+        assert reason.startswith("the router on a dispatched row: wrong expert at layer "), reason
+    assert data["verification_exchanges"]["async"]["router_wrong"] >= len(reasons)
 
 
 @pytest.mark.parametrize(

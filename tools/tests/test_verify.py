@@ -20,6 +20,8 @@ from afd_tools.run import verify as verify_module
 from afd_tools.run.ranks import ModeResult
 from afd_tools.run.routing import RoutingLog, TieFollower
 from afd_tools.run.verify import (
+    LAYER_TIE_MARGIN,
+    TIE_DEPTH,
     TIE_MARGIN,
     RequestCheck,
     RoutingCounts,
@@ -27,6 +29,7 @@ from afd_tools.run.verify import (
     WrongExpert,
     check_request,
     replay_replica,
+    tie_margin_at,
     verify,
 )
 
@@ -144,6 +147,52 @@ def smallest_gaps(model: MonolithicModel) -> list[float]:
     return sorted(gaps)
 
 
+def test_the_tie_margin_grows_in_proportion_to_the_layer_past_the_tie_depth() -> None:
+    assert TIE_DEPTH == 8
+    assert [tie_margin_at(0.125, layer) for layer in (1, 8, 16, 26)] == [
+        0.125, 0.125, 0.25, 0.40625,
+    ]  # fmt: skip
+    assert tie_margin_at(1.0, 26) == 3.25  # --tie-margin 1 still follows everything
+
+
+def test_a_near_tie_deep_in_the_model_is_held_to_that_layers_margin() -> None:
+    """A 20-layer model whose run flips one decision at its last MoE layer (19), the
+    closest to a tie there (gap ``g``): with a base margin of 0.44 ``g`` -- a wrong expert
+    at layers up to 8 -- the margin at layer 19 is 1.05 ``g`` and the flip is followed;
+    with 0.40 ``g`` it is 0.95 ``g`` and the flip fails, naming that margin.
+    The layer-local router check (of each chunk's last token) would catch a flip there at
+    one layer's rounding whatever the depth (:data:`LAYER_TIE_MARGIN`)."""
+    deep = MonolithicModel(make_preset("tiny", num_layers=20), RandomWeights(SEED))
+    last = deep.config.moe_layers[-1]
+    assert last == 19
+    at_last: list[float] = []
+
+    def keep(log: RoutingLog, layer: int, selection: Selection) -> torch.Tensor:
+        if layer == last:
+            at_last.extend(selection.tie_gaps().tolist())
+        return log(layer, selection)
+
+    record_steps(deep, prompts(deep), STEPS, keep)
+    gap = min(at_last)
+    flip = near_tie_plant(gap * (1 + 1e-6))
+    result = run_steps(deep, lambda layer, s: flip(layer, s) if layer == last else s.ids)
+    scale = TIE_DEPTH / last
+    passing = checks_of(deep, result, 1.05 * gap * scale)
+    assert all(c.problem(1e-5) is None for c in passing.values())
+    assert sum(c.routing.followed for c in passing.values()) == 1
+    followed = [c.routing.largest_followed_by_layer for c in passing.values()]
+    assert {layer: g for by in followed for layer, g in by.items()} == {
+        last: pytest.approx(gap, rel=1e-6)
+    }
+    base = 0.95 * gap * scale
+    failing = checks_of(deep, result, base)
+    problems = [p for c in failing.values() if (p := c.problem(1e-5))]
+    assert len(problems) == 1
+    assert problems[0].startswith(f"wrong expert at layer {last}: token ")
+    assert f"(gap {gap:.1e}, margin {tie_margin_at(base, last):.1e} at that layer)" in problems[0]
+    assert LAYER_TIE_MARGIN == 1e-4
+
+
 def test_a_planted_near_tie_is_followed_counted_and_passes(model: MonolithicModel) -> None:
     """The run flips its k-th and (k+1)-th experts wherever its top-k is within a margin of
     a tie (three decisions); with that margin the reference follows every one, matches
@@ -196,11 +245,12 @@ def strict_json(text: str) -> Any:
 
 
 def test_the_report_names_failures_in_valid_json_and_one_line() -> None:
-    wrong = WrongExpert(layer=2, position=6, run=(1, 7), reference=(1, 4), gap=0.25)
+    wrong = WrongExpert(layer=2, position=6, run=(1, 7), reference=(1, 4), gap=0.25, margin=0.1)
+    followed = RoutingCounts(4, 1, 0.01, {3: 0.01, 1: 0.005})
     checks = {
         "async": {
             0: check_request(torch.tensor([1.0, math.nan]), torch.ones(2)),
-            1: RequestCheck(0.0, routing=RoutingCounts(near_ties=4, followed=1)),
+            1: RequestCheck(0.0, routing=followed),
             2: RequestCheck(1e-3, routing=RoutingCounts(wrong=1, first_wrong=wrong)),
         },
         "sync": {0: RequestCheck(3e-2), 1: RequestCheck(1e-6)},
@@ -212,7 +262,8 @@ def test_the_report_names_failures_in_valid_json_and_one_line() -> None:
     reasons = data["verification_reasons"]
     assert reasons["async"]["0"] == "not finite: the run's output holds 1 NaN and 0 inf of 2 values"
     assert reasons["async"]["2"].startswith(
-        "wrong expert at layer 2: token 6 went to experts [1, 7]"
+        "wrong expert at layer 2: token 6 went to experts [1, 7] where the reference routes "
+        "it to [1, 4] with no near tie (gap 2.5e-01, margin 1.0e-01 at that layer)"
     )
     assert reasons["sync"]["0"] == "relative error 3.00e-02"
     assert data["verification_worst"]["async"] == {
@@ -224,7 +275,8 @@ def test_the_report_names_failures_in_valid_json_and_one_line() -> None:
     assert data["verification_near_ties"]["async"] == {
         "decisions": 4,
         "followed": 1,
-        "largest_followed_gap": 0.0,
+        "largest_followed_gap": 0.01,
+        "largest_followed_gap_by_layer": {"1": 0.005, "3": 0.01},
         "requests": {"1": {"near_ties": 4, "followed": 1}},
     }
     assert data["verification_tie_margin"] == 2.0**-6

@@ -61,15 +61,25 @@ class TieFollower:
     ``run`` is the replica's record of the step (int32 ``[moe layers, T, k]``, CPU), or
     ``None`` to route as the reference's own router does. After the forward, the
     ``[moe layers, T]`` CPU records tell, per layer and token: ``gaps`` (float32, the
-    reference's relative tie gap), ``near`` (within ``margin``), ``followed`` (near, and the
+    reference's relative tie gap), ``near`` (within that layer's ``margin``: one for every
+    MoE layer, or one per MoE layer), ``followed`` (near, and the
     run chose otherwise: the reference took the run's choice) and ``wrong`` (the run chose
     otherwise with no near tie); ``own`` (int32 ``[moe layers, T, k]``) is the reference's
     own choice and ``run`` the replica's.
     """
 
-    def __init__(self, moe_layers: Sequence[int], margin: float, run: torch.Tensor | None) -> None:
+    def __init__(
+        self, moe_layers: Sequence[int], margin: float | Sequence[float], run: torch.Tensor | None
+    ) -> None:
         self.moe_layers = tuple(moe_layers)
-        self.margin = margin
+        margins = [margin] * len(self.moe_layers) if isinstance(margin, float | int) else margin
+        if len(margins) != len(self.moe_layers):
+            raise ValueError(
+                f"{len(margins)} tie margins for {len(self.moe_layers)} MoE layers; give one "
+                "per MoE layer, or one for all"
+            )
+        self.margins = tuple(float(m) for m in margins)
+        """The tie margin at each MoE layer (``moe_layers`` order)."""
         self.run = run
         self._records: dict[str, list[torch.Tensor]] = {
             "own": [],
@@ -89,7 +99,7 @@ class TieFollower:
                 f"replay each step in one stage"
             )
         gaps = selection.tie_gaps()
-        near = gaps <= self.margin
+        near = gaps <= self.margins[index]
         differ = torch.zeros_like(near)
         chosen = own
         if self.run is not None:
