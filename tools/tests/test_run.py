@@ -147,7 +147,7 @@ def _layer_one_fault_fails_every_request(
     assert reason in fail
     data: dict[str, Any] = _strict_json(report.read_text())
     failed = data["verification_failures"]["async"]
-    assert len(failed) == 8  # every request: each chunk's last token goes through layer 1
+    assert len(failed) == 8  # every request: each chunk's probed tokens go through layer 1
     reasons = data["verification_reasons"]["async"]
     for rid in failed:
         assert reasons[str(rid)].startswith(reason), reasons
@@ -161,7 +161,7 @@ def test_a_wrong_exchange_at_one_layer_fails_though_the_final_states_are_within_
 ) -> None:
     """The FFN rank's replies at the first MoE layer are 3 % too large (every other layer
     right): in bf16 the requests' final states stay within the 2e-2 tolerance, but the
-    exchange, checked layer by layer at each chunk's last token, fails by name."""
+    exchange, checked layer by layer at up to 8 tokens of each chunk, fails by name."""
     import afd_run_plants
 
     from afd_tools.run import ranks
@@ -232,7 +232,7 @@ def test_a_router_that_flips_near_ties_itself_fails_the_layer_local_check(
 ) -> None:
     """The replica's router takes its (k+1)-th expert wherever its own scores are within a
     quarter of the bf16 tie margin: the end-to-end check would follow every such flip,
-    but at each chunk's last token the reference's router sees the same row and holds the
+    but at up to 8 tokens of each chunk the reference's router sees the same row and holds the
     choice to one layer's rounding (``LAYER_TIE_MARGIN``), so the requests where a flip
     landed on such a row fail by name."""
     import afd_run_plants

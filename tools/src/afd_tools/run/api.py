@@ -243,6 +243,7 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
         job.tolerance,
         notes,
         twin if lower else None,
+        job.exchange_tolerance,
     )
     for note in notes:
         print(f"afd run: verification: {note}", file=sys.stderr, flush=True)

@@ -6,7 +6,8 @@ carries every layer's rounding: over many layers in bfloat16 two correct computa
 apart by about the tolerance, so a small error of the exchange could hide in that drift.
 The exchange itself has no depth: what the FFN ranks return for a row at layer ``l`` is the
 weighted sum of its experts on that row, whatever came before. So each step records, at
-every MoE layer, for the last token of each of its chunks: the row dispatched, the experts
+every MoE layer, for up to :data:`PROBES_PER_CHUNK` tokens of each of its chunks (the last
+always among them): the row dispatched, the experts
 and weights it went out with, and what the combine returned; the verification recomputes
 the same rows with the reference's experts
 (:meth:`afd_models.MoELayer.exchanged`) and compares them row by row, at one layer's
@@ -38,7 +39,7 @@ class StepExchanges:
     """One step's probed rows at every MoE layer, on the CPU."""
 
     rows: tuple[int, ...]
-    """The step's rows that were probed (the last token of each chunk, in chunk order)."""
+    """The step's rows that were probed (:func:`probed_rows`, ascending)."""
     x: torch.Tensor
     """``[moe layers, P, H]`` (model dtype): each probed row as dispatched."""
     topk_ids: torch.Tensor
@@ -146,13 +147,56 @@ class ExchangeLog:
         return StepExchanges(rows, x, ids, weights, out)
 
 
-def last_rows(lengths: Sequence[int]) -> list[int]:
-    """The row of each chunk's last token in a step of chunks of ``lengths`` tokens."""
-    rows, end = [], 0
-    for length in lengths:
-        end += length
-        rows.append(end - 1)
+PROBES_PER_CHUNK = 8
+"""How many of a chunk's tokens have their exchange recorded at every MoE layer: all of a
+chunk this short or shorter, else this many spread evenly from its first token to its last
+(a fault confined to some rows -- an offset, a race -- shows where one probe would miss it;
+the device cost is the same index_select whatever the count)."""
+
+
+def probed_rows(lengths: Sequence[int], per_chunk: int = PROBES_PER_CHUNK) -> list[int]:
+    """The rows (ascending) whose exchange a step of chunks of ``lengths`` tokens records:
+    per chunk of ``n`` tokens every row when ``n <= per_chunk``, else ``per_chunk`` rows
+    evenly spaced from its first to its last (both included)."""
+    if per_chunk < 2:
+        raise ValueError(f"probe at least 2 rows per chunk (first and last), got {per_chunk}")
+    rows: list[int] = []
+    start = 0
+    for n in lengths:
+        if n <= per_chunk:
+            picks: Sequence[int] = range(n)
+        else:
+            picks = sorted({round(i * (n - 1) / (per_chunk - 1)) for i in range(per_chunk)})
+        rows.extend(start + p for p in picks)
+        start += n
     return rows
 
 
-__all__ = ["ExchangeError", "ExchangeLog", "StepExchanges", "last_rows"]
+def row_owners(
+    step: Sequence[tuple[int, int, int, bool]], rows: Sequence[int]
+) -> list[tuple[int, int]]:
+    """``(request id, position in its prompt)`` of each of a step's ``rows``; ``step`` is its
+    chunks in row order, ``(request id, begin, end, final)`` each."""
+    starts: list[int] = []
+    total = 0
+    for _, begin, end, _ in step:
+        starts.append(total)
+        total += end - begin
+    owners = []
+    for row in rows:
+        if not 0 <= row < total:
+            raise ExchangeError(f"probed row {row} is outside the step's {total} rows")
+        chunk = bisect.bisect_right(starts, row) - 1
+        rid, begin, _, _ = step[chunk]
+        owners.append((rid, begin + row - starts[chunk]))
+    return owners
+
+
+__all__ = [
+    "PROBES_PER_CHUNK",
+    "ExchangeError",
+    "ExchangeLog",
+    "StepExchanges",
+    "probed_rows",
+    "row_owners",
+]

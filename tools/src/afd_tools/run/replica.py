@@ -61,7 +61,7 @@ from afd_tools.prefill.metrics import ReplicaTimes
 from afd_tools.prefill.workload import Chunk, ChunkQueue, Request
 from afd_tools.run.breakdown import Clock, TimedEndpoint
 from afd_tools.run.devices import random_weights, rank_device
-from afd_tools.run.exchanges import ExchangeLog, StepExchanges, last_rows
+from afd_tools.run.exchanges import ExchangeLog, StepExchanges, probed_rows
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
 from afd_tools.run.lockstep import Lockstep, LockstepEndpoint
 from afd_tools.run.routing import RoutingLog
@@ -87,8 +87,9 @@ class ModeResult(ReplicaTimes):
     """Every real step's batch: ``(request id, begin, end, final)`` per chunk, in order (the
     reference replays them: in bfloat16 the batching changes the rounding)."""
     exchanges: list[StepExchanges | None] = field(default_factory=list)
-    """Per real step (as ``steps``), the MoE exchange of each chunk's last token at every
-    MoE layer (:mod:`afd_tools.run.exchanges`; ``None`` in a mode without an exchange): the
+    """Per real step (as ``steps``), the MoE exchange of up to
+    :data:`~afd_tools.run.exchanges.PROBES_PER_CHUNK` tokens of each chunk at every MoE
+    layer (:mod:`afd_tools.run.exchanges`; ``None`` in a mode without an exchange): the
     verification checks it against the reference's experts, one layer at a time."""
     exchange_includes_shared: bool = False
     """Whether :attr:`exchanges` hold the shared experts (they ran on the FFN ranks)."""
@@ -146,8 +147,9 @@ class ChunkLoop:
     report: bool = True
     """Whether finished requests are counted on :attr:`progress` (not in a warm-up pass)."""
     exchanges: ExchangeLog | None = None
-    """Where the step's forward records the exchange of each chunk's last token (taken
-    once per step, in modes with an exchange)."""
+    """Where the step's forward records the exchange of the probed tokens of each chunk
+    (:func:`~afd_tools.run.exchanges.probed_rows`; taken once per step, in modes with an
+    exchange)."""
 
     def warm_up_batches(self, largest_step: bool) -> list[list[torch.Tensor]]:
         """The untimed batches a rank runs before its first mode, so that no mode pays
@@ -225,7 +227,7 @@ class ChunkLoop:
                 entries = [torch.zeros(1, dtype=torch.long)]
                 result.dummy_batches += 1
             if log is not None:
-                log.expect(last_rows([c.end - c.begin for c in chunks]))
+                log.expect(probed_rows([c.end - c.begin for c in chunks]))
             output, waited = step(entries, rows, cache)
             end = time.monotonic() - origin
             result.busy_s += end - start - waited

@@ -13,8 +13,9 @@ A request passes when:
   reference's top-k was within the margin of a tie (:data:`TIE_MARGIN`, growing with depth
   past :data:`TIE_DEPTH`: :func:`tie_margin_at`); elsewhere it is a *wrong expert*, named
   with its layer and token;
-* at every MoE layer, what the exchange returned for the last token of each of its chunks
-  is within the tolerance of the reference's experts on the same row, experts and weights,
+* at every MoE layer, what the exchange returned for the probed tokens of each of its
+  chunks (up to 8, the last included: :func:`~afd_tools.run.exchanges.probed_rows`) is
+  within the tolerance of the reference's experts on the same row, experts and weights,
   and the experts and weights it went out with are the reference router's for that row
   (within :data:`LAYER_TIE_MARGIN` and :data:`ROUTER_WEIGHT_TOLERANCE`)
   (:class:`ExchangeCheck`; :mod:`afd_tools.run.exchanges`): one layer's rounding, whatever
@@ -56,6 +57,7 @@ import torch
 
 from afd_models import KVCache, MonolithicModel, PromptChunk
 from afd_protocol import relative_error
+from afd_tools.run.exchanges import PROBES_PER_CHUNK, row_owners
 from afd_tools.run.routing import RoutingError, TieFollower, differs
 
 TIE_MARGIN = {"float32": 2.0**-16, "bfloat16": 2.0**-3}
@@ -73,12 +75,13 @@ the margins were measured at); at layer ``L`` past it the margin is ``TIE_MARGIN
 TIE_DEPTH`` (:func:`tie_margin_at`). The reference replays a request through every layer
 before ``L``, and its distance from the run grows with depth, so a gap the rounding moves
 grows too: with ``--tie-margin 1`` (every disagreement followed) the largest followed gap
-at layer ``L`` stayed below 0.0073 L on this CPU (bf16, 27 layers, tiny and v3-mini, three
+at layer ``L`` was at most 0.0074 L on this CPU (bf16, 27 layers, tiny and v3-mini, three
 seeds of 32 requests each: 0.008 at layer 2, 0.125 at layers 17 and 26) and on GPUs
 (0.045 by layer 7 on an H200, 0.13 at layers 22-25 on an H100); the margin is 2.1x that
 line at every depth. A decision followed there is excused from the wrong-expert check
 alone: the output is still checked, and the layer-local router check (:data:`LAYER_TIE_MARGIN`)
-holds the run's router to one layer's rounding at every depth."""
+holds the run's router to one layer's rounding at every depth, on up to 8 tokens of each
+chunk (:func:`~afd_tools.run.exchanges.probed_rows`)."""
 LAYER_TIE_MARGIN = 1e-4
 """The tie margin of the layer-local router check (:func:`check_exchanges`; the run's
 margin where that is smaller): the reference's router computes from the very row the
@@ -157,7 +160,7 @@ class RoutingCounts:
 
 @dataclass(frozen=True)
 class ExchangeCheck:
-    """A request's recorded exchanges -- its chunks' last tokens at every MoE layer --
+    """A request's recorded exchanges -- its chunks' probed tokens at every MoE layer --
     against the reference's experts on the same rows, experts and weights
     (:meth:`afd_models.MoELayer.exchanged`), and the experts and weights the replica sent
     against the reference's router on the same rows
@@ -182,15 +185,21 @@ class ExchangeCheck:
     top-k for it, with no near tie: a router fault at one layer's rounding, whatever the
     depth."""
     wrong_count: int = 0
+    bound: float | None = None
+    """What came back is held to this (the run's ``exchange_tolerance``: one layer's
+    rounding), or to the run's tolerance where that is smaller; ``None``: the run's
+    tolerance."""
 
     def problem(self, tolerance: float) -> str | None:
         if self.wrong is not None:
             return f"the router on a dispatched row: {self.wrong.describe(self.wrong_count)}"
-        if not self.error <= tolerance:
+        limit = tolerance if self.bound is None else min(self.bound, tolerance)
+        if not self.error <= limit:
             shown = "not finite" if math.isinf(self.error) else f"{self.error:.2e} off"
             return (
                 f"the MoE exchange at layer {self.layer} returned token {self.position}'s "
-                f"experts {shown} from the reference's ({self.rows} token-layer rows checked)"
+                f"experts {shown} from the reference's (bound {limit:.0e}; {self.rows} "
+                "token-layer rows checked)"
             )
         if not self.weight_error <= ROUTER_WEIGHT_TOLERANCE:
             shown = (
@@ -444,6 +453,9 @@ class Verifier:
     twin: Callable[[], MonolithicModel] | None = None
     """Builds the float32 twin of a lower-precision reference (:class:`TwinCheck`), on the
     first request that needs it; ``None``: no twin (a float32 reference is its own)."""
+    exchange_tolerance: float | None = None
+    """What each recorded exchange may return off the reference's experts (one layer's
+    rounding; :data:`afd_tools.run.job.EXCHANGE_TOLERANCE`); ``None``: the tolerance."""
     notes: list[str] = field(default_factory=list)
     """One line per replica whose reference replay did not reproduce, and where the twin
     could not be built."""
@@ -484,7 +496,7 @@ class Verifier:
         against the reference. Requests that miss the tolerance alone are kept for
         :meth:`twin_pass`, which adds their twin checks to the dict returned here."""
         layer_margin = min(self.margin, LAYER_TIE_MARGIN)
-        exchanges = check_exchanges(self._model(), result, layer_margin)
+        exchanges = check_exchanges(self._model(), result, layer_margin, self.exchange_tolerance)
         recorded = getattr(result, "routing", None) or None
         replay = self.replica(prompts, result.steps, recorded)
         checks = self._against(replay, result, exchanges)
@@ -623,16 +635,16 @@ class _TwinJob:
 
 
 def check_exchanges(
-    reference: MonolithicModel, result: Any, margin: float
+    reference: MonolithicModel, result: Any, margin: float, bound: float | None = None
 ) -> dict[int, ExchangeCheck]:
     """Each request's recorded exchanges (``result.exchanges``, one
     :class:`~afd_tools.run.exchanges.StepExchanges` or ``None`` per step; with the shared
     experts where ``result.exchange_includes_shared``) against ``reference``: what came back
     against its experts on the same rows, experts and weights, and the experts and weights
     that went out against its router on the same rows (a choice other than the router's own
-    top-k is wrong unless within ``margin`` of a tie). Every MoE layer's rows of every step
-    are computed in one call on the reference's device. Empty for a mode without an
-    exchange."""
+    top-k is wrong unless within ``margin`` of a tie). What came back is held to ``bound``
+    (:attr:`ExchangeCheck.bound`). Every MoE layer's rows of every step are computed in one
+    call on the reference's device. Empty for a mode without an exchange."""
     records = getattr(result, "exchanges", None) or []
     if not records:
         return {}
@@ -641,7 +653,7 @@ def check_exchanges(
     for step, record in zip(result.steps, records, strict=True):
         if record is None:
             continue
-        owners.extend((rid, end - 1) for rid, _, end, _ in step)
+        owners.extend(row_owners(step, record.rows))
         pieces.append((record.x, record.topk_ids, record.weights, record.out))
     if not owners:
         return {}
@@ -683,7 +695,7 @@ def check_exchanges(
         first, count = wrong.get(rid, (None, 0))
         out_checks[rid] = ExchangeCheck(
             error, layer, position, rows[rid] * len(layers),
-            weight_error, weight_layer, weight_position, first, count,
+            weight_error, weight_layer, weight_position, first, count, bound,
         )  # fmt: skip
     return out_checks
 
@@ -888,11 +900,13 @@ class Verdict:
         rows = sum(n for n, _, _ in checked.values())
         mode, (_, rid, worst) = max(checked.items(), key=lambda item: item[1][2].error)
         weights = max(self._exchange_routing(m)[0] for m in checked)
+        bound = self.tolerance if worst.bound is None else min(worst.bound, self.tolerance)
         return (
-            f", and so does every MoE exchange, layer by layer ({rows} token-layer rows: each "
-            f"chunk's last token; worst {worst.error:.1e}, request {rid} at layer {worst.layer}"
-            f" in {mode}; the experts sent the router's own, their weights within "
-            f"{weights:.1e} of its, bound {ROUTER_WEIGHT_TOLERANCE:.0e})"
+            f", and so does every MoE exchange, layer by layer ({rows} token-layer rows: up "
+            f"to {PROBES_PER_CHUNK} tokens of each chunk; worst {worst.error:.1e} (bound "
+            f"{bound:.0e}), request {rid} at layer {worst.layer} in {mode}; the experts sent "
+            f"the router's own, their weights within {weights:.1e} of its, bound "
+            f"{ROUTER_WEIGHT_TOLERANCE:.0e})"
         )
 
     def _twin_text(self) -> str:
@@ -941,6 +955,7 @@ def verify(
     tolerance: float | None = None,
     notes: list[str] | None = None,
     twin: Callable[[], MonolithicModel] | None = None,
+    exchange_tolerance: float | None = None,
 ) -> Checks:
     """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
     per-replica results by mode, FFN intervals) against ``reference``; with a
@@ -948,7 +963,8 @@ def verify(
     confirmed miss of the tolerance alone is checked against the float32 ``twin`` (built
     only then, dropped before returning), and ``notes`` receives a line for each replay
     that did not reproduce. Recorded exchanges are checked layer by layer
-    (:func:`check_exchanges`). The twin replays come after every reference check.
+    (:func:`check_exchanges`; what came back to ``exchange_tolerance``). The twin
+    replays come after every reference check.
 
     ``reference`` is the model, or a :class:`ReferenceBuilder`: a model built here is held
     by the verifier alone and dropped before the twin is built, so the two need not fit in
@@ -958,7 +974,7 @@ def verify(
         model, built = reference.build(), True
     else:
         model, built = reference, False
-    verifier = Verifier(model, margin, tolerance, twin, release_reference=built)
+    verifier = Verifier(model, margin, tolerance, twin, exchange_tolerance, release_reference=built)
     del model, reference
     parts: dict[str, list[dict[int, RequestCheck]]] = {}
     try:
