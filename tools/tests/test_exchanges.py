@@ -309,8 +309,11 @@ def test_the_verdict_reports_the_exchange_and_fails_on_it_first() -> None:
             "request": 1,
             "layer": 1,
             "position": 3,
+            "bound": 2e-2,
             "weights_worst": 0.0,
+            "weights_bound": 1e-4,
             "router_wrong": 0,
+            "router_margin": 1e-4,
         },
         "sync": {
             "rows": 2,
@@ -318,8 +321,11 @@ def test_the_verdict_reports_the_exchange_and_fails_on_it_first() -> None:
             "request": 0,
             "layer": 1,
             "position": 7,
+            "bound": 2e-2,
             "weights_worst": 0.0,
+            "weights_bound": 1e-4,
             "router_wrong": 0,
+            "router_margin": 1e-4,
         },
     }
     passing = Verdict({"async": {0: RequestCheck(1e-3, exchange=fine)}}, 2e-2, 2.0**-3)

@@ -860,8 +860,11 @@ class Verdict:
                     "request": rid,
                     "layer": check.layer,
                     "position": check.position,
+                    "bound": self._exchange_bound(check),
                     "weights_worst": _number(self._exchange_routing(m)[0]),
+                    "weights_bound": ROUTER_WEIGHT_TOLERANCE,
                     "router_wrong": self._exchange_routing(m)[1],
+                    "router_margin": min(self.margin, LAYER_TIE_MARGIN),
                 }
                 for m, (rows, rid, check) in self.exchanges().items()
             },
@@ -892,6 +895,10 @@ class Verdict:
             f"token-layer decisions: {ties or 'none'}"
         )
 
+    def _exchange_bound(self, check: ExchangeCheck) -> float:
+        """What ``check``'s returned rows were held to."""
+        return self.tolerance if check.bound is None else min(check.bound, self.tolerance)
+
     def _exchange_text(self) -> str:
         """How many exchanged rows were checked layer by layer, and the worst."""
         checked = self.exchanges()
@@ -900,7 +907,7 @@ class Verdict:
         rows = sum(n for n, _, _ in checked.values())
         mode, (_, rid, worst) = max(checked.items(), key=lambda item: item[1][2].error)
         weights = max(self._exchange_routing(m)[0] for m in checked)
-        bound = self.tolerance if worst.bound is None else min(worst.bound, self.tolerance)
+        bound = self._exchange_bound(worst)
         return (
             f", and so does every MoE exchange, layer by layer ({rows} token-layer rows: up "
             f"to {PROBES_PER_CHUNK} tokens of each chunk; worst {worst.error:.1e} (bound "
