@@ -27,8 +27,10 @@ def install() -> bool:
         return False
     xor_combine = getattr(standard, "_xor_combine", None)
     generic = getattr(ReduceOps, "apply_impl", None)
-    if xor_combine is None or generic is None or getattr(generic, "_afd_xor", False):
-        return generic is not None and getattr(generic, "_afd_xor", False)
+    if getattr(generic, "_afd_xor", False):
+        return True  # installed already
+    if xor_combine is None or generic is None:
+        return False
 
     def apply_impl(self: Any, input: Any) -> Any:
         if self.combine_fn == xor_combine and len(input) == 1:

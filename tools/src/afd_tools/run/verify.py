@@ -15,7 +15,8 @@ A request passes when:
   with its layer and token;
 * at every MoE layer, what the exchange returned for the probed tokens of each of its
   chunks (up to 8, the last included: :func:`~afd_tools.run.exchanges.probed_rows`) is
-  within the tolerance of the reference's experts on the same row, experts and weights,
+  within one layer's rounding (the run's exchange tolerance) of the reference's experts on
+  the same row, experts and weights,
   and the experts and weights it went out with are the reference router's for that row
   (within :data:`LAYER_TIE_MARGIN` and :data:`ROUTER_WEIGHT_TOLERANCE`)
   (:class:`ExchangeCheck`; :mod:`afd_tools.run.exchanges`): one layer's rounding, whatever
@@ -104,6 +105,12 @@ QUANT_TIE_MARGIN = 2.0**-4
 next layers' router inputs, carry about 1 % of quantisation error."""
 
 
+def layer_tie_margin(margin: float) -> float:
+    """The layer-local router check's tie margin for the run's ``margin``:
+    :data:`LAYER_TIE_MARGIN`, or ``margin`` where that is smaller."""
+    return min(margin, LAYER_TIE_MARGIN)
+
+
 def tie_margin_at(margin: float, layer: int) -> float:
     """The end-to-end check's tie margin at model layer ``layer`` for the run's ``margin``:
     ``margin`` up to :data:`TIE_DEPTH`, in proportion to the layer past it."""
@@ -190,10 +197,14 @@ class ExchangeCheck:
     rounding), or to the run's tolerance where that is smaller; ``None``: the run's
     tolerance."""
 
+    def limit(self, tolerance: float) -> float:
+        """What the returned rows are held to, for a run of ``tolerance``."""
+        return tolerance if self.bound is None else min(self.bound, tolerance)
+
     def problem(self, tolerance: float) -> str | None:
         if self.wrong is not None:
             return f"the router on a dispatched row: {self.wrong.describe(self.wrong_count)}"
-        limit = tolerance if self.bound is None else min(self.bound, tolerance)
+        limit = self.limit(tolerance)
         if not self.error <= limit:
             shown = "not finite" if math.isinf(self.error) else f"{self.error:.2e} off"
             return (
@@ -383,11 +394,12 @@ def _count(
         counts.near_ties += int(near[:, rows].sum())
         counts.followed += int(followed[:, rows].sum())
         if bool(followed[:, rows].any()):
-            largest = float(gaps[:, rows][followed[:, rows]].max())
-            counts.largest_followed_gap = max(counts.largest_followed_gap, largest)
+            here = followed[:, rows]
+            per_layer = gaps[:, rows].masked_fill(~here, -math.inf).amax(dim=1)
+            counts.largest_followed_gap = max(counts.largest_followed_gap, float(per_layer.max()))
             by_layer = counts.largest_followed_by_layer
-            for index in followed[:, rows].any(dim=1).nonzero().flatten().tolist():
-                gap = float(gaps[index, rows][followed[index, rows]].max())
+            for index in here.any(dim=1).nonzero().flatten().tolist():
+                gap = float(per_layer[index])
                 by_layer[layers[index]] = max(by_layer.get(layers[index], 0.0), gap)
         counts.wrong += int(wrong[:, rows].sum())
         if counts.first_wrong is None and bool(wrong[:, rows].any()):
@@ -495,8 +507,9 @@ class Verifier:
         """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`
         against the reference. Requests that miss the tolerance alone are kept for
         :meth:`twin_pass`, which adds their twin checks to the dict returned here."""
-        layer_margin = min(self.margin, LAYER_TIE_MARGIN)
-        exchanges = check_exchanges(self._model(), result, layer_margin, self.exchange_tolerance)
+        exchanges = check_exchanges(
+            self._model(), result, layer_tie_margin(self.margin), self.exchange_tolerance
+        )
         recorded = getattr(result, "routing", None) or None
         replay = self.replica(prompts, result.steps, recorded)
         checks = self._against(replay, result, exchanges)
@@ -860,11 +873,11 @@ class Verdict:
                     "request": rid,
                     "layer": check.layer,
                     "position": check.position,
-                    "bound": self._exchange_bound(check),
+                    "bound": check.limit(self.tolerance),
                     "weights_worst": _number(self._exchange_routing(m)[0]),
                     "weights_bound": ROUTER_WEIGHT_TOLERANCE,
                     "router_wrong": self._exchange_routing(m)[1],
-                    "router_margin": min(self.margin, LAYER_TIE_MARGIN),
+                    "router_margin": layer_tie_margin(self.margin),
                 }
                 for m, (rows, rid, check) in self.exchanges().items()
             },
@@ -895,10 +908,6 @@ class Verdict:
             f"token-layer decisions: {ties or 'none'}"
         )
 
-    def _exchange_bound(self, check: ExchangeCheck) -> float:
-        """What ``check``'s returned rows were held to."""
-        return self.tolerance if check.bound is None else min(check.bound, self.tolerance)
-
     def _exchange_text(self) -> str:
         """How many exchanged rows were checked layer by layer, and the worst."""
         checked = self.exchanges()
@@ -907,7 +916,7 @@ class Verdict:
         rows = sum(n for n, _, _ in checked.values())
         mode, (_, rid, worst) = max(checked.items(), key=lambda item: item[1][2].error)
         weights = max(self._exchange_routing(m)[0] for m in checked)
-        bound = self._exchange_bound(worst)
+        bound = worst.limit(self.tolerance)
         return (
             f", and so does every MoE exchange, layer by layer ({rows} token-layer rows: up "
             f"to {PROBES_PER_CHUNK} tokens of each chunk; worst {worst.error:.1e} (bound "
@@ -1017,6 +1026,7 @@ __all__ = [
     "Verifier",
     "WrongExpert",
     "check_request",
+    "layer_tie_margin",
     "not_finite",
     "replay_replica",
     "same_replay",
