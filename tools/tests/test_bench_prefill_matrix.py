@@ -548,9 +548,10 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    # Two of the quick size (eager, graph-replayed), seven full: the long mix's 2A2F and
-    # 3A1F as one call with five GPUs or more, as two on fewer (3A1F at 3 layers there).
-    assert len(calls) == 9
+    # Two of the quick size (eager, graph-replayed), eight full: v2-lite's depth check, and
+    # the long mix's 2A2F and 3A1F as one call with five GPUs or more, as two on fewer (3A1F
+    # at 3 layers there).
+    assert len(calls) == 10
     three_layers = [argv for argv in calls if "--run-arg=--layers=3" in argv]
     assert len(three_layers) == 1
     assert "3:1" in three_layers[0]
@@ -593,17 +594,16 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
     assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
 
 
-def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path) -> None:
-    """``--full`` with a stand-in Python that records each benchmark's arguments: the calls
-    run in the documented order, each resumable with a time budget and its plots, and only
-    the sitting's first one keeps afd bench prefill's warm-up launch."""
+def _run_full_main_job(tmp_path: Path, gib: int) -> tuple[str, list[str], list[str]]:
+    """``--full`` with a stand-in Python (one GPU of ``gib`` GiB) that records each
+    benchmark's arguments: the script's stdout, the calls and the benchmarks' names."""
     import subprocess
 
     record = tmp_path / "calls.txt"
     fake = tmp_path / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
-        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'  # one GPU
+        f'if [ "$1" = "-c" ]; then echo 1 {gib}; exit 0; fi\n'  # one GPU of gib GiB
         f'echo "$*" >> {record}\n'
     )
     fake.chmod(0o755)
@@ -613,14 +613,39 @@ def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path)
     assert done.returncode == 0, done.stderr
     calls = record.read_text().splitlines()
     names = [re.search(r"--json \S+/([\w-]+)\.json", c).group(1) for c in calls]  # type: ignore[union-attr]
-    assert names == ["target-long-3a1f", "arrivals", "split-2a1f", "target-long",
-                     "target-2a1f", "full"]  # fmt: skip
+    return done.stdout, calls, names
+
+
+def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path) -> None:
+    """The calls run in the documented order, each resumable with a time budget and its
+    plots, and only the sitting's first one keeps afd bench prefill's warm-up launch."""
+    _, calls, names = _run_full_main_job(tmp_path, 139)
+    assert names == ["depth-v2-lite", "target-long-3a1f", "arrivals", "split-2a1f",
+                     "target-long", "target-2a1f", "full"]  # fmt: skip
+    assert "--preset v2-lite --workload uneven --layout 2:1 --stages 2 " in calls[0]
     for call in calls:
         assert call.startswith("-m afd_tools.cli bench prefill ")
         assert "--resume --time-budget " in call
         assert f"--plots {tmp_path}/out/plots" in call
     assert "--warm-up off" not in calls[0]
     assert all("--warm-up off" in c for c in calls[1:])
+
+
+def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
+    tmp_path: Path,
+) -> None:
+    """On an 80 GB GPU (79 GiB) v3-slice's FFN rank (94 GiB) cannot fit: each benchmark
+    that only runs v3-slice is skipped with a line that says why, and the one that runs
+    both presets runs v2-lite alone."""
+    out, calls, names = _run_full_main_job(tmp_path, 79)
+    assert names == ["depth-v2-lite", "full"]
+    assert all("v3-slice" not in call for call in calls)
+    assert "--preset v2-lite --workload uneven --workload uniform" in calls[1]
+    for skipped in ["target-long-3a1f", "arrivals", "split-2a1f", "target-long", "target-2a1f"]:
+        line = (f"[main-job] {skipped}: v3-slice skipped: its FFN rank holds 94 GiB and "
+                "this GPU has 79 GiB (MAIN_JOB_V3_GIB=120)")  # fmt: skip
+        assert line in out
+    assert "[main-job] full: v3-slice skipped" in out
 
 
 def test_a_warm_up_precedes_the_first_run_of_each_preset_and_layout(tmp_path: Path) -> None:
