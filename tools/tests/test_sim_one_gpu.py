@@ -446,6 +446,23 @@ def test_the_quick_one_gpu_runs_validate_as_docs_sim_says(
     assert "| 1A1F uneven 12 req, budget 8192, stages 1 | async | 1 |" in printed
 
 
+def test_the_h100_runs_at_27_layers_validate_as_docs_sim_says(capsys: Any) -> None:
+    """docs/sim.md's H100 table: v2-lite's 27 layers, 1A1F at 50 % of the SMs predicted
+    from 2A1F at 25 % and back, every row within 15 % on makespan and TTFT p50; the
+    shipped calibration is the fit on all five reports."""
+    bundle = CALIBRATIONS / "h100-mps-v2-lite-27-runs.json.gz"
+    assert main(["sim", "validate", str(bundle), "--cores-grid", "none", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "makespan_s: 8 of 8 within 15%, mean |error| 4.8%, worst 11.8%; ttft_p50: 8 of 8 "
+        "within 15%, mean |error| 6.7%, worst 12.3%"
+    ) in printed
+    assert "| 1A1F uneven 48 req, budget 16384, stages 4 | async | 1 |" in printed
+    cal = costs.load("h100-mps-v2-lite-27")
+    assert (cal.layers, cal.attention_share, cal.ffn_share) == (27, 50.0, 50.0)
+    assert cal.attn_square_s > 0  # the step records separate the squared-length cost
+
+
 def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> None:
     source = CALIBRATIONS / "h200-mps-quick-v3-slice-runs.json.gz"
     out = tmp_path / "v3.json.gz"

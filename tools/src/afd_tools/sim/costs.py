@@ -207,7 +207,14 @@ def share_scale(calibrated: float | None, share: float | None, option: str) -> f
     return calibrated / share
 
 
-SHIPPED = ("cpu-tiny", "h200-v3", "h200-v2-lite", "h200-mps-v3", "h200-mps-quick-v3")
+SHIPPED = (
+    "cpu-tiny",
+    "h200-v3",
+    "h200-v2-lite",
+    "h200-mps-v3",
+    "h200-mps-quick-v3",
+    "h100-mps-v2-lite-27",
+)
 """Calibration files in the package (``afd_tools/sim/calibrations/NAME.json``)."""
 
 
