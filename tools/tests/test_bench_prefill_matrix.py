@@ -548,10 +548,10 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    # Two of the quick size (eager, graph-replayed), eight full: v2-lite's depth check, and
-    # the long mix's 2A2F and 3A1F as one call with five GPUs or more, as two on fewer (3A1F
-    # at 3 layers there).
-    assert len(calls) == 10
+    # Two of the quick size (eager, graph-replayed), nine full: v2-lite's depth check and
+    # arrivals, and the long mix's 2A2F and 3A1F as one call with five GPUs or more, as two
+    # on fewer (3A1F at 3 layers there).
+    assert len(calls) == 11
     three_layers = [argv for argv in calls if "--run-arg=--layers=3" in argv]
     assert len(three_layers) == 1
     assert "3:1" in three_layers[0]
@@ -620,8 +620,8 @@ def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path)
     """The calls run in the documented order, each resumable with a time budget and its
     plots, and only the sitting's first one keeps afd bench prefill's warm-up launch."""
     _, calls, names = _run_full_main_job(tmp_path, 139)
-    assert names == ["depth-v2-lite", "target-long-3a1f", "arrivals", "split-2a1f",
-                     "target-long", "target-2a1f", "full"]  # fmt: skip
+    assert names == ["depth-v2-lite", "arrivals-v2-lite", "target-long-3a1f", "arrivals",
+                     "split-2a1f", "target-long", "target-2a1f", "full"]  # fmt: skip
     assert "--preset v2-lite --workload uneven --layout 2:1 --stages 2 " in calls[0]
     for call in calls:
         assert call.startswith("-m afd_tools.cli bench prefill ")
@@ -638,9 +638,9 @@ def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
     that only runs v3-slice is skipped with a line that says why, and the one that runs
     both presets runs v2-lite alone."""
     out, calls, names = _run_full_main_job(tmp_path, 79)
-    assert names == ["depth-v2-lite", "full"]
+    assert names == ["depth-v2-lite", "arrivals-v2-lite", "full"]
     assert all("v3-slice" not in call for call in calls)
-    assert "--preset v2-lite --workload uneven --workload uniform" in calls[1]
+    assert "--preset v2-lite --workload uneven --workload uniform" in calls[2]
     for skipped in ["target-long-3a1f", "arrivals", "split-2a1f", "target-long", "target-2a1f"]:
         line = (f"[main-job] {skipped}: v3-slice skipped: its FFN rank holds 94 GiB and "
                 "this GPU has 79 GiB (MAIN_JOB_V3_GIB=120)")  # fmt: skip
