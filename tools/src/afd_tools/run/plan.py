@@ -34,6 +34,7 @@ from afd_tools.prefill.workload import (
     prompt_lengths,
     read_workload,
 )
+from afd_tools.run.capacity import check_experts_fit
 from afd_tools.run.devices import DEVICE_DEFAULTS, Placement, place, resolve_device
 from afd_tools.run.job import RunJob
 from afd_tools.run.sharing import afd_shares, check_mps_options, describe_sharing
@@ -101,6 +102,7 @@ def prepare(job: RunJob) -> RunPlan:
     overrides = {} if job.layers is None else {"num_layers": job.layers}
     config = preset(job.preset, **overrides)
     job, placement = _resolve(job)
+    check_experts_fit(config, job.resolved("dtype"), placement)
     shares = {} if job.no_mps else afd_shares(placement, job.mps_attention_share, job.mps_ffn_share)
     transport = get_transport(job.resolved("transport"))
     _check_transport_options(job, transport)
