@@ -463,6 +463,34 @@ def test_the_h100_runs_at_27_layers_validate_as_docs_sim_says(capsys: Any) -> No
     assert cal.attn_square_s > 0  # the step records separate the squared-length cost
 
 
+@pytest.mark.parametrize(
+    ("rate", "expected"),
+    [(2, {"async": (44, 1.97, 2.71), "sync": (28, 1.25, 4.54)}),
+     (4, {"async": (33, 2.80, 4.81), "sync": (12, 0.80, 8.11)})],
+)  # fmt: skip
+def test_the_arrivals_projection_is_what_docs_sim_published(
+    rate: int, expected: dict[str, tuple[int, float, float]], tmp_path: Path, capsys: Any
+) -> None:
+    """docs/sim.md's projection of TTFT under Poisson arrivals on the H100, written before
+    the GPU run: per mode, the requests within a 2 s TTFT, the goodput and TTFT p99."""
+    from afd_tools.prefill.metrics import ModeSummary
+
+    out = tmp_path / "sim.json"
+    argv = ["sim", "--calibration", "h100-mps-v2-lite-27", "--attention-ranks", "2",
+            "--ffn-ranks", "1", "--workload", "uneven", "--requests", "48",
+            "--max-prompt-len", "16384", "--max-num-batched-tokens", "16384", "--stages", "2",
+            "--rate", str(rate), "--mode", "all", "--attention-share", "25", "--ffn-share",
+            "25", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    modes = json.loads(out.read_text())["modes"]
+    for mode, (met, goodput, p99) in expected.items():
+        summary = ModeSummary.from_json(modes[mode], "sim.json")
+        assert sum(1 for t in summary.ttft_s if t <= 2.0) == met
+        assert summary.goodput(2.0) == pytest.approx(goodput, abs=0.005)
+        assert summary.ttft_p99 == pytest.approx(p99, abs=0.005)
+
+
 def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> None:
     source = CALIBRATIONS / "h200-mps-quick-v3-slice-runs.json.gz"
     out = tmp_path / "v3.json.gz"
