@@ -463,24 +463,36 @@ def test_the_h100_runs_at_27_layers_validate_as_docs_sim_says(capsys: Any) -> No
     assert cal.attn_square_s > 0  # the step records separate the squared-length cost
 
 
+H100_V2_LITE = ["--calibration", "h100-mps-v2-lite-27", "--attention-share", "25",
+                "--ffn-share", "25"]  # fmt: skip
+H200_V3_SLICE = ["--calibration", "h200-mps-quick-v3", "--layers", "4", "--any-preset"]
+
+
 @pytest.mark.parametrize(
-    ("rate", "expected"),
-    [(2, {"async": (44, 1.97, 2.71), "sync": (28, 1.25, 4.54)}),
-     (4, {"async": (33, 2.80, 4.81), "sync": (12, 0.80, 8.11)})],
+    ("calibration", "rate", "expected"),
+    [(H100_V2_LITE, 2, {"async": (44, 1.97, 2.71), "sync": (28, 1.25, 4.54)}),
+     (H100_V2_LITE, 4, {"async": (33, 2.80, 4.81), "sync": (12, 0.80, 8.11)}),
+     (H200_V3_SLICE, 2, {"async": (42, 1.88, 2.85), "sync": (27, 1.21, 4.94)}),
+     (H200_V3_SLICE, 4, {"async": (31, 2.55, 5.24), "sync": (13, 0.83, 8.81)}),
+     (H200_V3_SLICE, 8, {"async": (16, 1.55, 6.71), "sync": (11, 0.81, 10.01)})],
 )  # fmt: skip
-def test_the_arrivals_projection_is_what_docs_sim_published(
-    rate: int, expected: dict[str, tuple[int, float, float]], tmp_path: Path, capsys: Any
+def test_the_arrivals_projections_are_what_docs_sim_published(
+    calibration: list[str],
+    rate: int,
+    expected: dict[str, tuple[int, float, float]],
+    tmp_path: Path,
+    capsys: Any,
 ) -> None:
-    """docs/sim.md's projection of TTFT under Poisson arrivals on the H100, written before
-    the GPU run: per mode, the requests within a 2 s TTFT, the goodput and TTFT p99."""
+    """docs/sim.md's projections of TTFT under Poisson arrivals (the H100's v2-lite and the
+    H200's v3-slice main-job benchmarks), written before the GPU runs: per mode, the
+    requests within a 2 s TTFT, the goodput and TTFT p99."""
     from afd_tools.prefill.metrics import ModeSummary
 
     out = tmp_path / "sim.json"
-    argv = ["sim", "--calibration", "h100-mps-v2-lite-27", "--attention-ranks", "2",
-            "--ffn-ranks", "1", "--workload", "uneven", "--requests", "48",
-            "--max-prompt-len", "16384", "--max-num-batched-tokens", "16384", "--stages", "2",
-            "--rate", str(rate), "--mode", "all", "--attention-share", "25", "--ffn-share",
-            "25", "--json", str(out)]  # fmt: skip
+    argv = ["sim", *calibration, "--attention-ranks", "2", "--ffn-ranks", "1", "--workload",
+            "uneven", "--requests", "48", "--max-prompt-len", "16384",
+            "--max-num-batched-tokens", "16384", "--stages", "2", "--rate", str(rate),
+            "--mode", "all", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     capsys.readouterr()
     modes = json.loads(out.read_text())["modes"]
