@@ -731,3 +731,48 @@ def test_a_ttft_slo_that_is_not_a_finite_positive_time_is_refused(
     assert main(["bench", "prefill", "--quick", "--preset", "tiny", "--ttft-slo", slo]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("afd bench prefill: error: --ttft-slo must be a finite number of")
+
+
+def _without_v3_slice(argv: list[str]) -> list[str]:
+    """``argv`` less its ``--preset v3-slice`` pair, as main-job calls on an 80 GB GPU."""
+    kept: list[str] = []
+    for word in argv:
+        if kept and kept[-1] == "--preset" and word == "v3-slice":
+            kept.pop()
+        else:
+            kept.append(word)
+    return kept
+
+
+def test_the_kept_h100_state_resumes_the_main_jobs_benchmarks_on_an_80_gb_gpu(
+    tmp_path: Path,
+) -> None:
+    """tools/gpu/main-job-state/h100-80gb holds what an H100 measured of ``--full``: each
+    file is a benchmark that the script's call (v3-slice dropped, as on an 80 GB GPU)
+    resumes, keeping every run it holds; the H200's call, with v3-slice, is refused."""
+    from afd_tools.bench.prefill_resume import ResumeError, resumed_runs
+
+    state = MAIN_JOB.parent / "main-job-state" / "h100-80gb"
+    calls = _main_job_calls()
+    depth = next(c for c in calls if c[:4] == ["--preset", "v2-lite", "--workload", "uneven"])
+    full = next(c for c in calls if c[:4] == ["--preset", "v2-lite", "--preset", "v3-slice"])
+    run_args = ["--run-arg=--device=cuda", "--run-arg=--share-gpus"]
+
+    def plan(argv: list[str]) -> list[tuple[Point, RunJob]]:
+        parsed = build_parser().parse_args(["bench", "prefill", *argv, *run_args])
+        args = _args(*argv, *run_args)
+        runs = []
+        for preset in parsed.preset:
+            for workload in parsed.workload:
+                base = point_job(args, preset, workload, FULL, tmp_path)
+                runs += [(p, job_of(base, p)) for p in expand(args, base, preset, workload)]
+        return runs
+
+    given = ["--device=cuda", "--share-gpus"]  # what afd bench prefill keeps of run_args
+    for name, argv in (("depth-v2-lite", depth), ("full", full)):
+        path = state / f"{name}.json"
+        held = len(json.loads(path.read_text())["runs"])
+        resumed = resumed_runs(path, plan(_without_v3_slice(argv)), FULL, None, given, 0)
+        assert len(resumed.kept) == held > 0
+    with pytest.raises(ResumeError, match="another matrix"):
+        resumed_runs(state / "full.json", plan(full), FULL, None, given, 0)
