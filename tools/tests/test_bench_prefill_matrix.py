@@ -594,23 +594,32 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
     assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
 
 
-def _run_full_main_job(tmp_path: Path, gib: int) -> tuple[str, list[str], list[str]]:
-    """``--full`` with a stand-in Python (one GPU of ``gib`` GiB) that records each
-    benchmark's arguments: the script's stdout, the calls and the benchmarks' names."""
+def _main_job_with_probe(tmp_path: Path, probe: str) -> tuple[Any, Path]:
+    """``--full`` with a stand-in Python whose GPU probe prints ``probe`` and which records
+    each benchmark's arguments; the environment holds no MAIN_JOB_* setting of the caller."""
     import subprocess
 
     record = tmp_path / "calls.txt"
     fake = tmp_path / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
-        f'if [ "$1" = "-c" ]; then echo 1 {gib}; exit 0; fi\n'  # one GPU of gib GiB
+        f'if [ "$1" = "-c" ]; then echo "{probe}"; exit 0; fi\n'
         f'echo "$*" >> {record}\n'
     )
     fake.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAIN_JOB_")}
+    env |= {"PYTHON": str(fake), "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", str(MAIN_JOB), "--full"], env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
+    return done, record
+
+
+def _run_full_main_job(tmp_path: Path, gib: int, gpus: int = 1) -> tuple[str, list[str], list[str]]:
+    """``--full`` on ``gpus`` stand-in GPUs of ``gib`` GiB: the script's stdout, the calls
+    and the benchmarks' names."""
+    done, record = _main_job_with_probe(tmp_path, f"{gpus} {gib}")
     assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
     calls = record.read_text().splitlines()
     names = [re.search(r"--json \S+/([\w-]+)\.json", c).group(1) for c in calls]  # type: ignore[union-attr]
     return done.stdout, calls, names
@@ -642,10 +651,30 @@ def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
     assert all("v3-slice" not in call for call in calls)
     assert "--preset v2-lite --workload uneven --workload uniform" in calls[2]
     for skipped in ["target-long-3a1f", "arrivals", "split-2a1f", "target-long", "target-2a1f"]:
-        line = (f"[main-job] {skipped}: v3-slice skipped: its FFN rank holds 94 GiB and "
-                "this GPU has 79 GiB (MAIN_JOB_V3_GIB=120)")  # fmt: skip
+        line = (f"[main-job] {skipped}: v3-slice skipped: its FFN rank's routed experts "
+                "alone are 84 GiB (94 GiB its whole process on an H200) and this GPU has 79 "
+                "GiB (MAIN_JOB_V3_GIB=120)")  # fmt: skip
         assert line in out
     assert "[main-job] full: v3-slice skipped" in out
+
+
+def test_on_several_gpus_the_full_main_job_leaves_the_fit_to_afd_run(tmp_path: Path) -> None:
+    """Four 79 GiB GPUs: 2A2F puts 42 GiB of experts on each FFN GPU and fits, so nothing is
+    skipped by size (afd run refuses, at once, a placement that cannot fit)."""
+    out, calls, names = _run_full_main_job(tmp_path, 79, gpus=4)
+    assert "skipped" not in out
+    assert "target-long" in names
+    assert any("v3-slice" in call for call in calls)
+
+
+@pytest.mark.parametrize("probe", ["1", "x 80", "", "1 80 extra words"])
+def test_a_gpu_probe_that_prints_no_two_counts_is_no_gpu(tmp_path: Path, probe: str) -> None:
+    """A probe line that is not two numbers (a torch warning, a half-started driver) is
+    read as no GPU: exit 2 with the reason, no benchmark run, no shell error."""
+    done, record = _main_job_with_probe(tmp_path, probe)
+    assert done.returncode == 2
+    assert done.stderr == "tools/gpu/main-job: needs a CUDA GPU\n"
+    assert not record.exists()
 
 
 def test_a_warm_up_precedes_the_first_run_of_each_preset_and_layout(tmp_path: Path) -> None:

@@ -1,17 +1,27 @@
 """afd_tools.run.capacity: a model whose routed experts cannot fit a GPU is refused before
-any process starts, with both sizes and what to change; one that fits is not."""
+any process starts, with both sizes and what to change; one that fits is not, nor a run
+that starts no FFN rank, nor one whose GPU memory nvidia-smi cannot tell."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from afd_models import preset
 from afd_tools.prefill.workload import WorkloadError
-from afd_tools.run.capacity import GIB, check_experts_fit, routed_expert_bytes
+from afd_tools.run.capacity import (
+    GIB,
+    check_experts_fit,
+    largest_gpu_memory,
+    routed_expert_bytes,
+)
 from afd_tools.run.devices import place
 
 H100 = 81_559 * (1 << 20)  # an H100 80GB as torch reports it (79.6 GiB)
 H200 = 143_771 * (1 << 20)
+AFD = ("async", "sync", "colocated")
 
 
 def test_routed_expert_bytes_count_every_moe_layers_gate_up_and_down() -> None:
@@ -25,7 +35,7 @@ def test_routed_expert_bytes_count_every_moe_layers_gate_up_and_down() -> None:
 def test_v3_slice_on_one_h100_is_refused_with_both_sizes_and_what_to_change() -> None:
     placement = place("cuda", 2, 1, share_gpus=True, gpus=1)
     with pytest.raises(WorkloadError) as refused:
-        check_experts_fit(preset("v3-slice"), "bfloat16", placement, lambda device: H100)
+        check_experts_fit(preset("v3-slice"), "bfloat16", placement, AFD, lambda device: H100)
     message = str(refused.value)
     assert "the routed experts do not fit cuda:0" in message
     assert "84.0 GiB" in message
@@ -36,11 +46,11 @@ def test_v3_slice_on_one_h100_is_refused_with_both_sizes_and_what_to_change() ->
 
 def test_what_fits_is_not_refused() -> None:
     one_gpu = place("cuda", 2, 1, share_gpus=True, gpus=1)
-    check_experts_fit(preset("v3-slice"), "bfloat16", one_gpu, lambda device: H200)
+    check_experts_fit(preset("v3-slice"), "bfloat16", one_gpu, AFD, lambda device: H200)
     three = preset("v3-slice", num_layers=3)  # 63 GiB: how main-job runs 3A1F on one H200
-    check_experts_fit(three, "bfloat16", place("cuda", 3, 1, True, gpus=1), lambda d: H100)
-    check_experts_fit(preset("v2-lite"), "bfloat16", one_gpu, lambda device: H100)
-    check_experts_fit(preset("v3-slice"), "bfloat16", place("cpu", 2, 1, False), lambda d: 0)
+    check_experts_fit(three, "bfloat16", place("cuda", 3, 1, True, gpus=1), AFD, lambda d: H100)
+    check_experts_fit(preset("v2-lite"), "bfloat16", one_gpu, AFD, lambda device: H100)
+    check_experts_fit(preset("v3-slice"), "bfloat16", place("cpu", 2, 1, False), AFD, lambda d: 0)
 
 
 def test_ffn_ranks_on_their_own_gpus_each_hold_a_share() -> None:
@@ -53,10 +63,12 @@ def test_ffn_ranks_on_their_own_gpus_each_hold_a_share() -> None:
         return H100
 
     spread = place("cuda", 2, 2, share_gpus=False, gpus=4)
-    check_experts_fit(preset("v3-slice"), "bfloat16", spread, memory)
+    check_experts_fit(preset("v3-slice"), "bfloat16", spread, AFD, memory)
     assert sorted(asked) == ["cuda:2", "cuda:3"]
     with pytest.raises(WorkloadError, match=r"its 2 FFN rank\(s\) hold 84\.0 GiB"):
-        check_experts_fit(preset("v3-slice"), "bfloat16", place("cuda", 2, 2, True, gpus=1), memory)
+        check_experts_fit(
+            preset("v3-slice"), "bfloat16", place("cuda", 2, 2, True, gpus=1), AFD, memory
+        )
 
 
 def test_the_lower_bound_is_the_experts_alone() -> None:
@@ -65,10 +77,59 @@ def test_the_lower_bound_is_the_experts_alone() -> None:
     v3 = preset("v3-slice")
     size = routed_expert_bytes(v3, "bfloat16")
     placement = place("cuda", 1, 1, share_gpus=True, gpus=1)
-    check_experts_fit(v3, "bfloat16", placement, lambda device: size)
+    check_experts_fit(v3, "bfloat16", placement, AFD, lambda device: size)
     with pytest.raises(WorkloadError):
-        check_experts_fit(v3, "bfloat16", placement, lambda device: size - 1)
+        check_experts_fit(v3, "bfloat16", placement, AFD, lambda device: size - 1)
     assert size / GIB == pytest.approx(84.0)
+
+
+def test_a_run_that_starts_no_ffn_rank_or_cannot_read_the_memory_is_not_refused() -> None:
+    """``--mode colocated`` places FFN ranks but starts none (dp-ep spreads the experts
+    over every GPU); a GPU whose memory nvidia-smi cannot tell is not guessed at."""
+    v3 = preset("v3-slice")
+    spread = place("cuda", 3, 1, share_gpus=False, gpus=4)
+    check_experts_fit(v3, "bfloat16", spread, ("colocated",), lambda device: H100)
+    with pytest.raises(WorkloadError):
+        check_experts_fit(v3, "bfloat16", spread, ("sync",), lambda device: H100)
+    check_experts_fit(v3, "bfloat16", spread, AFD, lambda device: None)
+
+
+def _fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f"#!/usr/bin/env bash\n{script}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_the_memory_is_the_largest_gpu_nvidia_smi_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_nvidia_smi(tmp_path, monkeypatch, 'printf "81559\\n143771\\n"')
+    assert largest_gpu_memory("cuda:0") == 143_771 << 20
+
+
+@pytest.mark.parametrize(
+    "script", ["exit 9", 'echo "[N/A]"', "echo", "sleep 60"], ids=["fails", "n/a", "empty", "hangs"]
+)
+def test_a_memory_nvidia_smi_cannot_tell_is_unknown(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from afd_tools.run import capacity
+
+    real_run = capacity.subprocess.run
+
+    def quick(*args: object, **kwargs: object) -> object:
+        kwargs["timeout"] = 2  # the hang ends in 2 s here, not the 30 s of afd run
+        return real_run(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(capacity.subprocess, "run", quick)
+    _fake_nvidia_smi(tmp_path, monkeypatch, script)
+    assert largest_gpu_memory("cuda:0") is None
+
+
+def test_no_nvidia_smi_is_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no nvidia-smi
+    assert largest_gpu_memory("cuda:0") is None
 
 
 def test_afd_run_refuses_it_before_any_process_starts(
@@ -83,7 +144,7 @@ def test_afd_run_refuses_it_before_any_process_starts(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(capacity, "gpu_memory", lambda device: H100)
+    monkeypatch.setattr(capacity, "largest_gpu_memory", lambda device: H100)
     argv = ["run", "--device", "cuda", "--share-gpus", "--preset", "v3-slice",
             "--attention-ranks", "2", "--ffn-ranks", "1", "--no-progress"]  # fmt: skip
     assert main(argv) == 2

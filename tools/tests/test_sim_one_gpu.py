@@ -463,6 +463,25 @@ def test_the_h100_runs_at_27_layers_validate_as_docs_sim_says(capsys: Any) -> No
     assert cal.attn_square_s > 0  # the step records separate the squared-length cost
 
 
+def test_the_shipped_h100_calibration_is_its_command_on_its_runs(tmp_path: Path) -> None:
+    """``h100-mps-v2-lite-27.json`` is what its own ``command`` fits on the shipped runs:
+    every coefficient equal (only where and when it was written differ)."""
+    import shlex
+
+    shipped = json.loads((CALIBRATIONS / "h100-mps-v2-lite-27.json").read_text())
+    argv = shlex.split(shipped["command"])[1:]  # drop "afd"
+    out = argv.index("-o") + 1
+    root = Path(__file__).resolve().parents[2]
+    argv = [str(root / a) if a.startswith("tools/") else a for a in argv]
+    argv[out] = str(tmp_path / "refit.json")
+    assert main([*argv, "--no-progress"]) == 0
+    refit = json.loads((tmp_path / "refit.json").read_text())
+    for key in ("command", "date"):
+        shipped.pop(key)
+        refit.pop(key)
+    assert refit == shipped
+
+
 H100_V2_LITE = ["--calibration", "h100-mps-v2-lite-27", "--attention-share", "25",
                 "--ffn-share", "25"]  # fmt: skip
 H200_V3_SLICE = ["--calibration", "h200-mps-quick-v3", "--layers", "4", "--any-preset"]
@@ -470,22 +489,27 @@ H200_V3_SLICE = ["--calibration", "h200-mps-quick-v3", "--layers", "4", "--any-p
 
 @pytest.mark.parametrize(
     ("calibration", "rate", "expected"),
-    [(H100_V2_LITE, 2, {"async": (44, 1.97, 2.71), "sync": (28, 1.25, 4.54)}),
-     (H100_V2_LITE, 4, {"async": (33, 2.80, 4.81), "sync": (12, 0.80, 8.11)}),
-     (H200_V3_SLICE, 2, {"async": (42, 1.88, 2.85), "sync": (27, 1.21, 4.94)}),
-     (H200_V3_SLICE, 4, {"async": (31, 2.55, 5.24), "sync": (13, 0.83, 8.81)}),
-     (H200_V3_SLICE, 8, {"async": (16, 1.55, 6.71), "sync": (11, 0.81, 10.01)})],
+    [(H100_V2_LITE, 2, {"async": (44, 1.97, 0.49, 2.71, 8669),
+                         "sync": (28, 1.25, 1.53, 4.54, 8643)}),
+     (H100_V2_LITE, 4, {"async": (33, 2.80, 1.36, 4.81, 16447),
+                         "sync": (12, 0.80, 3.68, 8.11, 12905)}),
+     (H200_V3_SLICE, 2, {"async": (42, 1.88, 0.54, 2.85, 8673),
+                          "sync": (27, 1.21, 1.54, 4.94, 8657)}),
+     (H200_V3_SLICE, 4, {"async": (31, 2.55, 1.32, 5.24, 15920),
+                          "sync": (13, 0.83, 3.93, 8.81, 12363)}),
+     (H200_V3_SLICE, 8, {"async": (16, 1.55, 3.25, 6.71, 18813),
+                          "sync": (11, 0.81, 5.32, 10.01, 14326)})],
 )  # fmt: skip
 def test_the_arrivals_projections_are_what_docs_sim_published(
     calibration: list[str],
     rate: int,
-    expected: dict[str, tuple[int, float, float]],
+    expected: dict[str, tuple[int, float, float, float, int]],
     tmp_path: Path,
     capsys: Any,
 ) -> None:
     """docs/sim.md's projections of TTFT under Poisson arrivals (the H100's v2-lite and the
     H200's v3-slice main-job benchmarks), written before the GPU runs: per mode, the
-    requests within a 2 s TTFT, the goodput and TTFT p99."""
+    requests within a 2 s TTFT, the goodput, TTFT p50 and p99, and tokens/s."""
     from afd_tools.prefill.metrics import ModeSummary
 
     out = tmp_path / "sim.json"
@@ -496,11 +520,13 @@ def test_the_arrivals_projections_are_what_docs_sim_published(
     assert main(argv) == 0
     capsys.readouterr()
     modes = json.loads(out.read_text())["modes"]
-    for mode, (met, goodput, p99) in expected.items():
+    for mode, (met, goodput, p50, p99, tokens_per_s) in expected.items():
         summary = ModeSummary.from_json(modes[mode], "sim.json")
         assert sum(1 for t in summary.ttft_s if t <= 2.0) == met
         assert summary.goodput(2.0) == pytest.approx(goodput, abs=0.005)
+        assert summary.ttft_p50 == pytest.approx(p50, abs=0.005)
         assert summary.ttft_p99 == pytest.approx(p99, abs=0.005)
+        assert round(summary.tokens_per_s) == tokens_per_s
 
 
 def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> None:

@@ -102,7 +102,7 @@ def prepare(job: RunJob) -> RunPlan:
     overrides = {} if job.layers is None else {"num_layers": job.layers}
     config = preset(job.preset, **overrides)
     job, placement = _resolve(job)
-    check_experts_fit(config, job.resolved("dtype"), placement)
+    check_experts_fit(config, job.resolved("dtype"), placement, job.modes)
     shares = {} if job.no_mps else afd_shares(placement, job.mps_attention_share, job.mps_ffn_share)
     transport = get_transport(job.resolved("transport"))
     _check_transport_options(job, transport)
