@@ -35,7 +35,7 @@ def test_routed_expert_bytes_count_every_moe_layers_gate_up_and_down() -> None:
 def test_v3_slice_on_one_h100_is_refused_with_both_sizes_and_what_to_change() -> None:
     placement = place("cuda", 2, 1, share_gpus=True, gpus=1)
     with pytest.raises(WorkloadError) as refused:
-        check_experts_fit(preset("v3-slice"), "bfloat16", placement, AFD, lambda device: H100)
+        check_experts_fit(preset("v3-slice"), "bfloat16", placement, AFD, H100)
     message = str(refused.value)
     assert "the routed experts do not fit cuda:0" in message
     assert "84.0 GiB" in message
@@ -46,29 +46,26 @@ def test_v3_slice_on_one_h100_is_refused_with_both_sizes_and_what_to_change() ->
 
 def test_what_fits_is_not_refused() -> None:
     one_gpu = place("cuda", 2, 1, share_gpus=True, gpus=1)
-    check_experts_fit(preset("v3-slice"), "bfloat16", one_gpu, AFD, lambda device: H200)
+    check_experts_fit(preset("v3-slice"), "bfloat16", one_gpu, AFD, H200)
     three = preset("v3-slice", num_layers=3)  # 63 GiB: how main-job runs 3A1F on one H200
-    check_experts_fit(three, "bfloat16", place("cuda", 3, 1, True, gpus=1), AFD, lambda d: H100)
-    check_experts_fit(preset("v2-lite"), "bfloat16", one_gpu, AFD, lambda device: H100)
-    check_experts_fit(preset("v3-slice"), "bfloat16", place("cpu", 2, 1, False), AFD, lambda d: 0)
+    check_experts_fit(three, "bfloat16", place("cuda", 3, 1, True, gpus=1), AFD, H100)
+    check_experts_fit(preset("v2-lite"), "bfloat16", one_gpu, AFD, H100)
+    check_experts_fit(preset("v3-slice"), "bfloat16", place("cpu", 2, 1, False), AFD, 0)
 
 
 def test_ffn_ranks_on_their_own_gpus_each_hold_a_share() -> None:
-    """Two FFN ranks on two GPUs hold 42 GiB each: it fits two H100s; both on one GPU
-    (--share-gpus on one) still hold all 84."""
-    asked: list[str] = []
-
-    def memory(device: str) -> int:
-        asked.append(device)
-        return H100
-
+    """Two FFN ranks on two GPUs hold 42 GiB each: it fits two H100s, and a GPU of exactly
+    half the experts, but not one byte less (then the first FFN GPU, cuda:2, is named);
+    both on one GPU (--share-gpus on one) still hold all 84."""
+    v3 = preset("v3-slice")
+    half = routed_expert_bytes(v3, "bfloat16") // 2
     spread = place("cuda", 2, 2, share_gpus=False, gpus=4)
-    check_experts_fit(preset("v3-slice"), "bfloat16", spread, AFD, memory)
-    assert sorted(asked) == ["cuda:2", "cuda:3"]
+    check_experts_fit(v3, "bfloat16", spread, AFD, H100)
+    check_experts_fit(v3, "bfloat16", spread, AFD, half)
+    with pytest.raises(WorkloadError, match=r"do not fit cuda:2: its 1 FFN rank\(s\) hold 42\.0"):
+        check_experts_fit(v3, "bfloat16", spread, AFD, half - 1)
     with pytest.raises(WorkloadError, match=r"its 2 FFN rank\(s\) hold 84\.0 GiB"):
-        check_experts_fit(
-            preset("v3-slice"), "bfloat16", place("cuda", 2, 2, True, gpus=1), AFD, memory
-        )
+        check_experts_fit(v3, "bfloat16", place("cuda", 2, 2, True, gpus=1), AFD, H100)
 
 
 def test_the_lower_bound_is_the_experts_alone() -> None:
@@ -77,21 +74,26 @@ def test_the_lower_bound_is_the_experts_alone() -> None:
     v3 = preset("v3-slice")
     size = routed_expert_bytes(v3, "bfloat16")
     placement = place("cuda", 1, 1, share_gpus=True, gpus=1)
-    check_experts_fit(v3, "bfloat16", placement, AFD, lambda device: size)
+    check_experts_fit(v3, "bfloat16", placement, AFD, size)
     with pytest.raises(WorkloadError):
-        check_experts_fit(v3, "bfloat16", placement, AFD, lambda device: size - 1)
+        check_experts_fit(v3, "bfloat16", placement, AFD, size - 1)
     assert size / GIB == pytest.approx(84.0)
 
 
-def test_a_run_that_starts_no_ffn_rank_or_cannot_read_the_memory_is_not_refused() -> None:
+def test_a_run_that_starts_no_ffn_rank_or_cannot_read_the_memory_is_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``--mode colocated`` places FFN ranks but starts none (dp-ep spreads the experts
     over every GPU); a GPU whose memory nvidia-smi cannot tell is not guessed at."""
     v3 = preset("v3-slice")
     spread = place("cuda", 3, 1, share_gpus=False, gpus=4)
-    check_experts_fit(v3, "bfloat16", spread, ("colocated",), lambda device: H100)
+    check_experts_fit(v3, "bfloat16", spread, ("colocated",), H100)
     with pytest.raises(WorkloadError):
-        check_experts_fit(v3, "bfloat16", spread, ("sync",), lambda device: H100)
-    check_experts_fit(v3, "bfloat16", spread, AFD, lambda device: None)
+        check_experts_fit(v3, "bfloat16", spread, ("sync",), H100)
+    from afd_tools.run import capacity
+
+    monkeypatch.setattr(capacity, "largest_gpu_memory", lambda: None)  # nvidia-smi cannot say
+    check_experts_fit(v3, "bfloat16", spread, AFD)
 
 
 def _fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
@@ -105,7 +107,7 @@ def test_the_memory_is_the_largest_gpu_nvidia_smi_lists(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fake_nvidia_smi(tmp_path, monkeypatch, 'printf "81559\\n143771\\n"')
-    assert largest_gpu_memory("cuda:0") == 143_771 << 20
+    assert largest_gpu_memory() == 143_771 << 20
 
 
 @pytest.mark.parametrize(
@@ -124,12 +126,12 @@ def test_a_memory_nvidia_smi_cannot_tell_is_unknown(
 
     monkeypatch.setattr(capacity.subprocess, "run", quick)
     _fake_nvidia_smi(tmp_path, monkeypatch, script)
-    assert largest_gpu_memory("cuda:0") is None
+    assert largest_gpu_memory() is None
 
 
 def test_no_nvidia_smi_is_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no nvidia-smi
-    assert largest_gpu_memory("cuda:0") is None
+    assert largest_gpu_memory() is None
 
 
 def test_afd_run_refuses_it_before_any_process_starts(
@@ -144,7 +146,7 @@ def test_afd_run_refuses_it_before_any_process_starts(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(capacity, "largest_gpu_memory", lambda device: H100)
+    monkeypatch.setattr(capacity, "largest_gpu_memory", lambda: H100)
     argv = ["run", "--device", "cuda", "--share-gpus", "--preset", "v3-slice",
             "--attention-ranks", "2", "--ffn-ranks", "1", "--no-progress"]  # fmt: skip
     assert main(argv) == 2

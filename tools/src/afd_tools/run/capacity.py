@@ -15,7 +15,10 @@ daemon started after this check). Where ``nvidia-smi`` cannot say, nothing is re
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
 
 from afd_models import DeepseekConfig
 from afd_tools.prefill.workload import WorkloadError
@@ -23,22 +26,21 @@ from afd_tools.run.devices import Placement
 
 GIB = 1 << 30
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
 AFD_MODES = ("async", "sync")
 """The modes that start FFN ranks (colocated runs the model on its own ranks)."""
 
 
 def routed_expert_bytes(config: DeepseekConfig, dtype: str) -> int:
     """Bytes of every MoE layer's routed experts (gate, up and down projections)."""
-    per_expert = 3 * config.hidden_size * config.moe_intermediate_size * DTYPE_BYTES[dtype]
+    itemsize: int = getattr(torch, dtype).itemsize
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size * itemsize
     return len(config.moe_layers) * config.n_routed_experts * per_expert
 
 
-def largest_gpu_memory(device: str) -> int | None:
-    """The total memory of the largest GPU ``nvidia-smi`` lists, in bytes (``device`` is
-    not mapped to nvidia-smi's index, whose order can differ from CUDA's: the largest
-    keeps the check a lower bound on any machine); ``None`` where nvidia-smi cannot say."""
+def largest_gpu_memory() -> int | None:
+    """The total memory of the largest GPU ``nvidia-smi`` lists, in bytes (not mapped to a
+    CUDA device: nvidia-smi's order can differ from CUDA's, and the largest keeps the check
+    a lower bound on any machine); ``None`` where nvidia-smi cannot say."""
     try:
         listed = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
@@ -60,23 +62,21 @@ def check_experts_fit(
     dtype: str,
     placement: Placement,
     modes: Iterable[str],
-    memory: Callable[[str], int | None] | None = None,
+    gpu_bytes: int | None = None,
 ) -> None:
     """Refuse a placement whose FFN ranks' routed experts alone exceed a GPU's memory,
     naming the GPU, both sizes and what to change. Nothing to check on the CPU, or when no
-    mode of ``modes`` starts FFN ranks. ``memory``: a device's total bytes, ``None`` if
-    unknown (default :func:`largest_gpu_memory`)."""
+    mode of ``modes`` starts FFN ranks. ``gpu_bytes``: a GPU's total memory (default:
+    :func:`largest_gpu_memory`, read once); nothing is refused where it is unknown."""
     if placement.kind != "cuda" or not placement.ffn or not set(modes) & set(AFD_MODES):
         return
-    memory = memory or largest_gpu_memory
+    total = largest_gpu_memory() if gpu_bytes is None else gpu_bytes
+    if total is None:
+        return
     share = routed_expert_bytes(config, dtype) / len(placement.ffn)
-    held: dict[str, float] = {}
-    for device in placement.ffn:
-        held[device] = held.get(device, 0.0) + share
-    for device, needed in held.items():
-        total = memory(device)
-        if total is not None and needed > total:
-            ranks = sum(1 for d in placement.ffn if d == device)
+    for device, ranks in Counter(placement.ffn).items():
+        needed = ranks * share
+        if needed > total:
             raise WorkloadError(
                 f"the routed experts do not fit {device}: its {ranks} FFN rank(s) hold "
                 f"{needed / GIB:.1f} GiB of them ({len(config.moe_layers)} MoE layers x "
