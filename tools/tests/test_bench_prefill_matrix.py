@@ -594,7 +594,12 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
     assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
 
 
-def _main_job_with_probe(tmp_path: Path, probe: str) -> tuple[Any, Path]:
+def _main_job_with_probe(
+    tmp_path: Path,
+    probe: str,
+    extra_env: dict[str, str] | None = None,
+    args: tuple[str, ...] = ("--full",),
+) -> tuple[Any, Path]:
     """``--full`` with a stand-in Python whose GPU probe prints ``probe`` and which records
     each benchmark's arguments; the environment holds no MAIN_JOB_* setting of the caller."""
     import subprocess
@@ -608,16 +613,18 @@ def _main_job_with_probe(tmp_path: Path, probe: str) -> tuple[Any, Path]:
     )
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAIN_JOB_")}
-    env |= {"PYTHON": str(fake), "OUT": str(tmp_path / "out")}
-    done = subprocess.run(["bash", str(MAIN_JOB), "--full"], env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    env |= {"PYTHON": str(fake), "OUT": str(tmp_path / "out")} | (extra_env or {})
+    done = subprocess.run(["bash", str(MAIN_JOB), *args], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
     return done, record
 
 
-def _run_full_main_job(tmp_path: Path, gib: int, gpus: int = 1) -> tuple[str, list[str], list[str]]:
+def _run_full_main_job(
+    tmp_path: Path, gib: int, gpus: int = 1, env: dict[str, str] | None = None
+) -> tuple[str, list[str], list[str]]:
     """``--full`` on ``gpus`` stand-in GPUs of ``gib`` GiB: the script's stdout, the calls
     and the benchmarks' names."""
-    done, record = _main_job_with_probe(tmp_path, f"{gpus} {gib}")
+    done, record = _main_job_with_probe(tmp_path, f"{gpus} {gib}", env)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     calls = record.read_text().splitlines()
@@ -638,6 +645,45 @@ def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path)
         assert f"--plots {tmp_path}/out/plots" in call
     assert "--warm-up off" not in calls[0]
     assert all("--warm-up off" in c for c in calls[1:])
+
+
+def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: Path) -> None:
+    """MAIN_JOB_ONLY keeps the named --full benchmarks, in the script's order whatever the
+    variable's; each other one is skipped with a line, and its help lists every name."""
+    import subprocess
+
+    only = {"MAIN_JOB_ONLY": "split-2a1f target-long-3a1f  arrivals"}
+    out, calls, names = _run_full_main_job(tmp_path, 139, env=only)
+    assert names == ["target-long-3a1f", "arrivals", "split-2a1f"]
+    assert "--warm-up off" not in calls[0]  # the sitting's first run still warms up
+    for skipped in ["depth-v2-lite", "arrivals-v2-lite", "target-long", "target-2a1f", "full"]:
+        assert f"[main-job] {skipped}: not in MAIN_JOB_ONLY, skipped" in out
+    (tmp_path / "all").mkdir()
+    everything = _run_full_main_job(tmp_path / "all", 139)[2]
+    shown = subprocess.run(["bash", str(MAIN_JOB), "--help"], capture_output=True, text=True)
+    listed = re.search(r"Names: ([\w\s-]+?)\n\n", shown.stdout + "\n")
+    assert listed is not None
+    assert listed.group(1).split() == everything
+
+
+@pytest.mark.parametrize(
+    ("only", "args", "message"),
+    [
+        ("arrivals depth", ("--full",), "MAIN_JOB_ONLY names 'depth', which is no benchmark "
+         "of --full (names: depth-v2-lite arrivals-v2-lite target-long-3a1f arrivals "
+         "split-2a1f target-long target-2a1f full)"),
+        ("arrivals", (), "MAIN_JOB_ONLY picks among --full's benchmarks only"),
+    ],
+)  # fmt: skip
+def test_main_job_only_refuses_a_name_it_does_not_run(
+    tmp_path: Path, only: str, args: tuple[str, ...], message: str
+) -> None:
+    """An unknown name (a typo would skip everything) or the quick size: exit 2 with what
+    to change, before any benchmark runs."""
+    done, record = _main_job_with_probe(tmp_path, "1 139", {"MAIN_JOB_ONLY": only}, args)
+    assert done.returncode == 2
+    assert done.stderr == f"tools/gpu/main-job: {message}\n"
+    assert not record.exists()
 
 
 def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
