@@ -12,6 +12,7 @@ differently with no near tie (a wrong expert).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -140,4 +141,32 @@ class TieFollower:
         return torch.stack(pieces)
 
 
-__all__ = ["RoutingError", "RoutingLog", "TieFollower", "differs"]
+def gap_drift(
+    reference_gaps: torch.Tensor,
+    reference_ids: torch.Tensor,
+    run_gaps: torch.Tensor,
+    run_ids: torch.Tensor,
+) -> torch.Tensor:
+    """float64 ``[...]``: how far a decision's relative tie gap moved between two router
+    inputs of one token at one layer -- the reference replay's own row and the row the run
+    recorded -- both seen by the same (the reference's) router: ``reference_gaps`` and
+    ``run_gaps`` (float32 ``[...]``, :meth:`afd_models.Selection.tie_gaps`) with the top-k
+    each chose (int ``[..., k]``, any order; all on one device).
+
+    Where both chose the same experts it is ``|reference - run|``; where they chose
+    differently the scores crossed, so the boundary moved by at least the two gaps together:
+    ``reference + run``. 0 where neither has a boundary (both ``inf``); ``inf`` where one
+    gap is not finite otherwise (NaN included): a drift that cannot be measured is no
+    evidence of a small one."""
+    k = reference_ids.shape[-1]
+    same = ~differs(reference_ids.reshape(-1, k), run_ids.reshape(-1, k))
+    same = same.reshape(reference_gaps.shape)
+    a, b = reference_gaps.double(), run_gaps.double()
+    drift = torch.where(same, (a - b).abs(), a + b)
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    neither = torch.isinf(a) & torch.isinf(b) & (a > 0) & (b > 0)
+    drift = torch.where(finite, drift, torch.full_like(drift, math.inf))
+    return torch.where(neither, torch.zeros_like(drift), drift)
+
+
+__all__ = ["RoutingError", "RoutingLog", "TieFollower", "differs", "gap_drift"]

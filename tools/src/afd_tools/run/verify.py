@@ -12,7 +12,9 @@ A request passes when:
 * wherever the run chose other experts than the reference's own router would, the
   reference's top-k was within the margin of a tie (:data:`TIE_MARGIN`, growing with depth
   past :data:`TIE_DEPTH`: :func:`tie_margin_at`); elsewhere it is a *wrong expert*, named
-  with its layer and token;
+  with its layer and token (the tighter margin from the tie-gap drift measured at the
+  probed tokens, :class:`DriftMargins`, is reported beside it, and judges instead where
+  :data:`TIE_MARGIN_FROM` says so);
 * at every MoE layer, what the exchange returned for the probed tokens of each of its
   chunks (up to 8, the last included: :func:`~afd_tools.run.exchanges.probed_rows`) is
   within one layer's rounding (the run's exchange tolerance) of the reference's experts on
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +62,7 @@ import torch
 from afd_models import KVCache, MonolithicModel, PromptChunk
 from afd_protocol import relative_error
 from afd_tools.run.exchanges import PROBES_PER_CHUNK, row_owners
-from afd_tools.run.routing import RoutingError, TieFollower, differs
+from afd_tools.run.routing import RoutingError, TieFollower, differs, gap_drift
 
 TIE_MARGIN = {"float32": 2.0**-16, "bfloat16": 2.0**-3}
 """Largest relative gap (:meth:`afd_models.Selection.tie_gaps`) at which a routing
@@ -117,8 +120,203 @@ def tie_margin_at(margin: float, layer: int) -> float:
     return margin * max(1.0, layer / TIE_DEPTH)
 
 
+TIE_MARGIN_SOURCES = ("depth", "drift")
+"""What the end-to-end check may judge a followed decision by (:data:`TIE_MARGIN_FROM`)."""
+TIE_MARGIN_FROM = "depth"
+"""Which tie margin judges a followed decision: ``depth`` (:func:`tie_margin_at`), or
+``drift``, the margin from the tie-gap drift measured at the probed tokens
+(:class:`DriftMargins`), which makes a followed decision whose gap is above it a wrong
+expert. The replay follows near ties within the depth margin either way (so outputs are
+the same), and the drift margins and what they would reject are reported either way
+(``verification_near_ties``). ``depth`` stays the default: on this project's 2-core CPU
+machine (bf16, 27 layers) the drift margin rejected no followed decision in 37 correct
+runs, but its headroom (the smallest margin / followed gap) shrinks as a mode has more
+tokens per probed token -- 1.55-3.1 at 5-8 tokens per probe, 1.41 at 179, 1.19 at 355 --
+and GPU runs of long prompts, which have hundreds, were never measured with it
+(docs/testing.md, "The drift-measured tie margin")."""
+DRIFT_SAFETY = 3.0
+"""The drift margin at a MoE layer is this many times the largest tie-gap drift measured
+at a probed token there or at a shallower MoE layer (:class:`DriftMargins`). Chosen on 20
+CPU runs (seeds 4-13 of tiny and v3-mini, bf16, 27 layers, 32 requests, async), where the
+largest followed gap was at most 1.93 times that drift, so 3 leaves 1.55x; on seeds 1-3
+(not used to choose it) 1.69x."""
+DRIFT_FLOOR = 2.0**-8
+"""The least drift margin (relative gap): one bf16 rounding of a router input. Where the
+drift measured is 0 -- on the CPU at the first MoE layer, whose input the replay computes
+bitwise as the run did -- the margin is this, not 0. It is never looser than the depth
+margin either, so in float32 (2^-16) the drift margin is the depth margin."""
+
+
+def drift_margin_at(drift: float, depth_margin: float) -> float:
+    """The drift margin at a layer whose largest measured gap drift is ``drift``:
+    ``DRIFT_SAFETY * drift``, at least :data:`DRIFT_FLOOR`, at most ``depth_margin`` (it
+    only tightens; a drift that is not finite leaves the depth margin)."""
+    if not math.isfinite(drift):
+        return depth_margin
+    return min(depth_margin, max(DRIFT_FLOOR, DRIFT_SAFETY * drift))
+
+
 Steps = list[list[tuple[int, int, int, bool]]]
 """A replica's steps: per step, ``(request id, begin, end, final)`` per chunk."""
+
+
+@dataclass(frozen=True)
+class DriftMargins:
+    """One mode's tie margins from the drift measured at its probed tokens.
+
+    At a probed token the replica recorded the row its router saw; the reference's router
+    gives that row a tie gap, and the reference replay gives its own row of the same token
+    and layer another (:func:`~afd_tools.run.routing.gap_drift`: how far the gap moved
+    between the two states). The largest such drift over every probed token of the mode
+    (every replica's) is :attr:`drift` at that MoE layer; the drift margin there is
+    :func:`drift_margin_at` the largest of those at it and every shallower MoE layer
+    (:attr:`envelope`)."""
+
+    layers: tuple[int, ...]
+    """The MoE layers."""
+    drift: tuple[float, ...]
+    """Per MoE layer, the largest gap drift measured at a probed token (``inf`` where none
+    was probed or one was not finite)."""
+    envelope: tuple[float, ...]
+    """Per MoE layer, the largest of :attr:`drift` at it and every shallower MoE layer:
+    what its margin is computed from (the drift grows with depth; a layer's maximum over a
+    few hundred probes scatters, and dips where they missed the tail)."""
+    margins: tuple[float, ...]
+    """Per MoE layer, the drift margin (:func:`drift_margin_at` the envelope)."""
+    depth: tuple[float, ...]
+    """Per MoE layer, the depth margin (:func:`tie_margin_at`), which the replay followed
+    near ties within."""
+    probes: int
+    """Probed tokens the drift was measured at (each at every MoE layer)."""
+    applied: bool
+    """Whether a followed decision above the drift margin is a wrong expert
+    (:data:`TIE_MARGIN_FROM`)."""
+
+
+@dataclass(frozen=True)
+class _Followed:
+    """A decision where the replay took the run's choice within the depth margin."""
+
+    step: int
+    index: int
+    """Its MoE layer's index (into ``moe_layers``)."""
+    rid: int
+    position: int
+    gap: float
+    run: tuple[int, ...]
+    reference: tuple[int, ...]
+
+
+@dataclass
+class TieEvidence:
+    """One replica's routing decisions and the gap drift measured at its probed tokens,
+    kept by :meth:`Verifier.check` until its mode's :class:`DriftMargins` are known
+    (:func:`apply_drift_margins`); every tensor on the CPU."""
+
+    probe_drift: torch.Tensor
+    """float64 ``[moe layers, P]``: the gap drift at each probed token (P may be 0)."""
+    gaps: torch.Tensor
+    """float32 ``[moe layers, N]``: the reference's gap of each decision, N the replica's
+    tokens over every step."""
+    owners: torch.Tensor
+    """int64 ``[N]``: each token's request id."""
+    followed: list[_Followed]
+    """Every followed decision, in step, layer, row order."""
+    checks: dict[int, RequestCheck]
+    """The replica's checks (the dict :meth:`Verifier.check` returned, updated in place)."""
+
+
+def tie_evidence(
+    replay: ReplicaReplay,
+    steps: Steps,
+    routing: Sequence[torch.Tensor] | None,
+    probed: ProbedGaps | None,
+    checks: dict[int, RequestCheck],
+    moe_layers: int,
+) -> TieEvidence:
+    """The :class:`TieEvidence` of one replica's ``replay`` of ``steps`` (a model of
+    ``moe_layers`` MoE layers), following its ``routing`` (one int32 ``[moe layers, T, k]``
+    per step, or ``None``), with the reference router's gaps on its recorded rows
+    (``probed``). A replica that ran no step gives empty records."""
+    owners = [rid for step in steps for rid, begin, end, _ in step for _ in range(end - begin)]
+    gaps = torch.cat(replay.gaps, dim=1) if replay.gaps else torch.zeros(moe_layers, 0)
+    followed: list[_Followed] = []
+    for number, (step, here) in enumerate(zip(steps, replay.followed, strict=True)):
+        if routing is None or not bool(here.any()):
+            continue
+        place = [(rid, position) for rid, b, e, _ in step for position in range(b, e)]
+        for index, row in here.nonzero().tolist():
+            rid, position = place[row]
+            followed.append(
+                _Followed(
+                    number, index, rid, position, float(replay.gaps[number][index, row]),
+                    tuple(sorted(routing[number][index, row].tolist())),
+                    tuple(sorted(replay.own[number][index, row].tolist())),
+                )
+            )  # fmt: skip
+    drift = torch.zeros(moe_layers, 0, dtype=torch.float64)
+    if probed is not None and probed.steps:
+        columns: dict[int, list[int]] = {}
+        for step_number, row in zip(probed.steps, probed.rows, strict=True):
+            columns.setdefault(step_number, []).append(row)
+        reference_gaps = torch.cat(
+            [replay.gaps[n][:, torch.tensor(rows)] for n, rows in columns.items()], dim=1
+        )
+        reference_ids = torch.cat(
+            [replay.own[n][:, torch.tensor(rows)] for n, rows in columns.items()], dim=1
+        )
+        drift = gap_drift(reference_gaps, reference_ids, probed.gaps, probed.ids)
+    return TieEvidence(drift, gaps, torch.tensor(owners, dtype=torch.int64), followed, checks)
+
+
+def apply_drift_margins(
+    evidence: Sequence[TieEvidence],
+    layers: Sequence[int],
+    margin: float,
+    applied: bool | None = None,
+) -> DriftMargins:
+    """One mode's :class:`DriftMargins` from its replicas' ``evidence`` (MoE ``layers``; the
+    run's tie ``margin``), written into every one of their checks: each request's
+    decisions within the drift margin, its followed decisions above it
+    (:attr:`RoutingCounts.drift_rejected`, the first as :attr:`RoutingCounts.drift_wrong`)
+    and the smallest margin / gap; where ``applied`` (default: :data:`TIE_MARGIN_FROM` is
+    ``drift``), those above it are wrong experts (:meth:`RequestCheck.problem`)."""
+    if applied is None:
+        applied = TIE_MARGIN_FROM == "drift"
+    depth = tuple(tie_margin_at(margin, layer) for layer in layers)
+    probes = sum(e.probe_drift.shape[1] for e in evidence)
+    drift = [math.inf] * len(layers)
+    if probes:
+        measured = torch.cat([e.probe_drift for e in evidence], dim=1)
+        drift = [float(v) if not math.isnan(v) else math.inf for v in measured.amax(dim=1)]
+    envelope = tuple(itertools.accumulate(drift, max))
+    margins = tuple(drift_margin_at(d, m) for d, m in zip(envelope, depth, strict=True))
+    record = DriftMargins(tuple(layers), tuple(drift), envelope, margins, depth, probes, applied)
+    limit = torch.tensor(margins, dtype=torch.float64)[:, None]
+    for e in evidence:
+        within = (e.gaps.double() <= limit).sum(dim=0)
+        for rid, check in list(e.checks.items()):
+            mine = e.owners == rid
+            routing = dataclasses.replace(
+                check.routing,
+                decisions=int(mine.sum()) * len(layers),
+                within_drift=int(within[mine].sum()),
+            )
+            for f in (f for f in e.followed if f.rid == rid):
+                routing.smallest_drift_ratio = min(
+                    routing.smallest_drift_ratio,
+                    margins[f.index] / f.gap if f.gap > 0 else math.inf,
+                )
+                if f.gap <= margins[f.index]:
+                    continue
+                routing.drift_rejected += 1
+                if routing.drift_wrong is None:
+                    routing.drift_wrong = WrongExpert(
+                        layers[f.index], f.position, f.run, f.reference, f.gap,
+                        margins[f.index], depth[f.index],
+                    )  # fmt: skip
+            e.checks[rid] = dataclasses.replace(check, routing=routing, drift=record)
+    return record
 
 
 @dataclass(frozen=True)
@@ -136,12 +334,22 @@ class WrongExpert:
     """The reference's relative tie gap at that token (above the margin)."""
     margin: float
     """The tie margin there."""
+    depth_margin: float | None = None
+    """Where :attr:`margin` is the drift margin (:class:`DriftMargins`): the depth margin
+    (:func:`tie_margin_at`) the replay followed the run's choice within."""
 
     def describe(self, count: int) -> str:
+        if self.depth_margin is None:
+            margins = f"margin {self.margin:.1e} at that layer"
+        else:
+            margins = (
+                f"drift margin {self.margin:.1e} at that layer, from the drift measured at the "
+                f"probed tokens; depth margin {self.depth_margin:.1e}"
+            )
         return (
             f"wrong expert at layer {self.layer}: token {self.position} went to experts "
             f"{list(self.run)} where the reference routes it to {list(self.reference)} with "
-            f"no near tie (gap {self.gap:.1e}, margin {self.margin:.1e} at that layer); "
+            f"no near tie (gap {self.gap:.1e}, {margins}); "
             f"{count} such token-layer decisions"
         )
 
@@ -163,6 +371,19 @@ class RoutingCounts:
     how the rounding that moves a gap grows with depth."""
     wrong: int = 0
     first_wrong: WrongExpert | None = None
+    decisions: int = 0
+    """Every token-layer routing decision of the request (near a tie or not)."""
+    within_drift: int = 0
+    """Of those, within the drift margin of a tie (:class:`DriftMargins`; at most
+    :attr:`near_ties`, the decisions within the depth margin)."""
+    drift_rejected: int = 0
+    """Followed decisions whose gap is above the drift margin: wrong experts where the
+    drift margin applies (:attr:`DriftMargins.applied`), else what it would have rejected."""
+    drift_wrong: WrongExpert | None = None
+    """The first of those (in step, layer, token order)."""
+    smallest_drift_ratio: float = math.inf
+    """The smallest drift margin / gap over the followed decisions (``inf``: none followed):
+    below 1 the drift margin rejects it."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +492,9 @@ class RequestCheck:
     """Where the error missed the tolerance in a lower precision: the float32 twin's check."""
     exchange: ExchangeCheck | None = None
     """Its exchanges checked layer by layer (``None``: the mode has no exchange)."""
+    drift: DriftMargins | None = None
+    """Its mode's drift margins (one object shared by the mode's requests; ``None``: not
+    measured, e.g. a check built by hand)."""
 
     def problem(self, tolerance: float) -> str | None:
         """Why this request fails (one line), or ``None`` if it passes."""
@@ -280,6 +504,8 @@ class RequestCheck:
             return self.routing.first_wrong.describe(self.routing.wrong)
         if self.exchange is not None and (why := self.exchange.problem(tolerance)):
             return why
+        if (wrong := self.wrong_by_drift) is not None:
+            return wrong.describe(self.routing.drift_rejected)
         if not self.error <= tolerance:
             if self.twin is None:
                 return f"relative error {self.error:.2e}"
@@ -287,12 +513,21 @@ class RequestCheck:
                 return f"relative error {self.error:.2e}; {self.twin.describe()}"
         return None
 
+    @property
+    def wrong_by_drift(self) -> WrongExpert | None:
+        """The first followed decision above the drift margin, where that margin applies
+        (:attr:`DriftMargins.applied`): a wrong expert named after the layer-local check's
+        findings, which hold the router to one layer's rounding."""
+        applied = self.drift is not None and self.drift.applied
+        return self.routing.drift_wrong if applied else None
+
     def drifted(self, tolerance: float) -> bool:
         """Whether its final state's relative error alone misses the tolerance: both sides
         finite, no wrong expert, its exchanges within it (what the float32 twin judges)."""
         return (
             self.not_finite is None
             and self.routing.first_wrong is None
+            and self.wrong_by_drift is None
             and (self.exchange is None or self.exchange.problem(tolerance) is None)
             and not self.error <= tolerance
         )
@@ -333,6 +568,12 @@ class ReplicaReplay:
     """request id -> float32 ``[H]`` final hidden state, on the CPU."""
     own: list[torch.Tensor] = field(default_factory=list)
     """Per step, the reference's own top-k, int32 ``[moe layers, T, k]`` (CPU)."""
+    gaps: list[torch.Tensor] = field(default_factory=list)
+    """Per step, the reference's relative tie gap of every decision, float32 ``[moe layers,
+    T]`` (CPU; :meth:`afd_models.Selection.tie_gaps` on the replay's own router input)."""
+    followed: list[torch.Tensor] = field(default_factory=list)
+    """Per step, bool ``[moe layers, T]`` (CPU): where the reference took the run's choice
+    at a near tie."""
     counts: dict[int, RoutingCounts] = field(default_factory=dict)
     disagreed: bool = False
     """Whether the run chose otherwise anywhere (followed or wrong)."""
@@ -369,6 +610,8 @@ def replay_replica(
         last = reference.forward(entries, compute_logits=False, cache=cache, select=hook)
         states = last.last_hidden_states().float().cpu()
         replay.own.append(hook.record("own"))
+        replay.gaps.append(hook.record("gaps"))
+        replay.followed.append(hook.record("followed"))
         _count(replay, step, hook, layers)
         for row, (rid, _, _, final) in enumerate(step):
             if final:
@@ -474,6 +717,9 @@ class Verifier:
     release_reference: bool = False
     """Drop :attr:`reference` before the twin is built (the caller must hold no other
     reference to the model for its memory to be freed); no check can follow."""
+    evidence: list[TieEvidence] = field(default_factory=list)
+    """Per replica checked, in order: its :class:`TieEvidence`, for
+    :func:`apply_drift_margins` once its mode's replicas are all checked."""
     _plain: dict[tuple[Any, ...], ReplicaReplay] = field(default_factory=dict)
     _pending: list[_TwinJob] = field(default_factory=list, init=False, repr=False)
     _twin: MonolithicModel | None = field(default=None, init=False, repr=False)
@@ -507,21 +753,23 @@ class Verifier:
         """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`
         against the reference. Requests that miss the tolerance alone are kept for
         :meth:`twin_pass`, which adds their twin checks to the dict returned here."""
-        exchanges = check_exchanges(
+        exchanges, probed = _check_exchanges(
             self._model(), result, layer_tie_margin(self.margin), self.exchange_tolerance
         )
         recorded = getattr(result, "routing", None) or None
         replay = self.replica(prompts, result.steps, recorded)
         checks = self._against(replay, result, exchanges)
         tolerance = self.tolerance
-        if tolerance is None or not any(_end_to_end(c, tolerance) for c in checks.values()):
-            return checks
-        confirmed = self._confirmed(prompts, result, recorded, replay)
-        if confirmed is not replay:
-            checks = self._against(confirmed, result, exchanges)
-        drifted = [rid for rid, c in checks.items() if c.drifted(tolerance)]
-        if drifted and self.twin is not None:
-            self._pending.append(_TwinJob(prompts, result, recorded, confirmed, checks, drifted))
+        if tolerance is not None and any(_end_to_end(c, tolerance) for c in checks.values()):
+            confirmed = self._confirmed(prompts, result, recorded, replay)
+            if confirmed is not replay:
+                checks = self._against(confirmed, result, exchanges)
+                replay = confirmed
+            drifted = [rid for rid, c in checks.items() if c.drifted(tolerance)]
+            if drifted and self.twin is not None:
+                self._pending.append(_TwinJob(prompts, result, recorded, replay, checks, drifted))
+        layers = len(self._model().config.moe_layers)
+        self.evidence.append(tie_evidence(replay, result.steps, recorded, probed, checks, layers))
         return checks
 
     def _confirmed(
@@ -580,6 +828,9 @@ class Verifier:
                 self._out_of_memory(exc)
                 return
             for rid in job.drifted:
+                assert self.tolerance is not None, "only a check with a tolerance keeps a job"
+                if not job.checks[rid].drifted(self.tolerance):
+                    continue  # a wrong expert by the drift margin since: no twin can pass it
                 counts = mirrored.counts.get(rid, RoutingCounts())
                 job.checks[rid] = dataclasses.replace(
                     job.checks[rid],
@@ -658,18 +909,44 @@ def check_exchanges(
     top-k is wrong unless within ``margin`` of a tie). What came back is held to ``bound``
     (:attr:`ExchangeCheck.bound`). Every MoE layer's rows of every step are computed in one
     call on the reference's device. Empty for a mode without an exchange."""
+    return _check_exchanges(reference, result, margin, bound)[0]
+
+
+@dataclass(frozen=True)
+class ProbedGaps:
+    """The reference's router on the rows a replica recorded (its probed tokens,
+    :func:`~afd_tools.run.exchanges.probed_rows`), in the order the steps recorded them;
+    every tensor on the CPU."""
+
+    steps: tuple[int, ...]
+    """Per probed token, its step (an index into the replica's steps)."""
+    rows: tuple[int, ...]
+    """Per probed token, its row in that step."""
+    gaps: torch.Tensor
+    """float32 ``[moe layers, P]``: the reference router's relative tie gap on the run's row."""
+    ids: torch.Tensor
+    """int64 ``[moe layers, P, k]``: the reference router's own top-k on that row, sorted."""
+
+
+def _check_exchanges(
+    reference: MonolithicModel, result: Any, margin: float, bound: float | None = None
+) -> tuple[dict[int, ExchangeCheck], ProbedGaps | None]:
+    """:func:`check_exchanges`, and the reference router's gaps and choices on the recorded
+    rows (``None`` where nothing was recorded), for :func:`tie_evidence`."""
     records = getattr(result, "exchanges", None) or []
     if not records:
-        return {}
+        return {}, None
     owners: list[tuple[int, int]] = []  # per probed row: (request id, position)
+    where: list[tuple[int, int]] = []  # per probed row: (step, row in the step)
     pieces: list[tuple[torch.Tensor, ...]] = []
-    for step, record in zip(result.steps, records, strict=True):
+    for number, (step, record) in enumerate(zip(result.steps, records, strict=True)):
         if record is None:
             continue
         owners.extend(row_owners(step, record.rows))
+        where.extend((number, row) for row in record.rows)
         pieces.append((record.x, record.topk_ids, record.weights, record.out))
     if not owners:
-        return {}
+        return {}, None
     x, ids, weights, out = (torch.cat(column, dim=1) for column in zip(*pieces, strict=True))
     device = reference.device
     layers = reference.config.moe_layers
@@ -678,6 +955,8 @@ def check_exchanges(
     worst: dict[int, tuple[float, int, int]] = {}
     heaviest: dict[int, tuple[float, int, int]] = {}
     wrong: dict[int, tuple[WrongExpert, int]] = {}
+    all_gaps: list[torch.Tensor] = []
+    all_own: list[torch.Tensor] = []
     with torch.inference_mode():
         for index, layer in enumerate(layers):
             moe = reference.moe_layers[layer]
@@ -689,7 +968,9 @@ def check_exchanges(
             weight_errors = row_errors(sent, router_weights).tolist()
             own = selection.ids.sort(dim=1).values.cpu()
             run = chosen.sort(dim=1).values.cpu()
-            gaps = selection.tie_gaps().cpu()
+            gaps = selection.tie_gaps().float().cpu()
+            all_gaps.append(gaps)
+            all_own.append(own)
             off = ((own != run).any(dim=1) & ~(gaps <= margin)).tolist()
             for row, (rid, position) in enumerate(owners):
                 _keep_worst(worst, rid, (errors[row], layer, position))
@@ -710,7 +991,13 @@ def check_exchanges(
             error, layer, position, rows[rid] * len(layers),
             weight_error, weight_layer, weight_position, first, count, bound,
         )  # fmt: skip
-    return out_checks
+    probed = ProbedGaps(
+        tuple(s for s, _ in where),
+        tuple(r for _, r in where),
+        torch.stack(all_gaps),
+        torch.stack(all_own),
+    )
+    return out_checks, probed
 
 
 def _keep_worst(
@@ -789,6 +1076,33 @@ class Verdict:
                 largest[layer] = max(largest.get(layer, 0.0), gap)
         return {str(layer): largest[layer] for layer in sorted(largest)}
 
+    def drift_margins(self, mode: str) -> dict[str, Any]:
+        """``mode``'s drift margins and what they excuse (the JSON fields; empty where they
+        were not measured): per MoE layer the largest gap drift at a probed token and the
+        drift margin, and over every request the decisions, those within the drift margin,
+        the followed decisions above it and the smallest margin / gap of a followed one."""
+        by_request = self.checks[mode].values()
+        record = next((c.drift for c in by_request if c.drift is not None), None)
+        if record is None:
+            return {}
+        return {
+            "tie_margin_from": "drift" if record.applied else "depth",
+            "drift_probes": record.probes,
+            "drift_by_layer": {
+                str(layer): _number(d) for layer, d in zip(record.layers, record.drift, strict=True)
+            },
+            "drift_margin_by_layer": {
+                str(layer): _number(m)
+                for layer, m in zip(record.layers, record.margins, strict=True)
+            },
+            "all_decisions": sum(c.routing.decisions for c in by_request),
+            "within_drift_margin": sum(c.routing.within_drift for c in by_request),
+            "drift_rejected": sum(c.routing.drift_rejected for c in by_request),
+            "smallest_drift_margin_to_gap": _number(
+                min((c.routing.smallest_drift_ratio for c in by_request), default=math.inf)
+            ),
+        }
+
     def exchanges(self) -> dict[str, tuple[int, int, ExchangeCheck]]:
         """Per mode whose exchanges were checked: ``(token-layer rows checked, request with
         the worst, its check)``."""
@@ -845,6 +1159,7 @@ class Verdict:
                     "followed": followed,
                     "largest_followed_gap": largest,
                     "largest_followed_gap_by_layer": self._followed_by_layer(m),
+                    **self.drift_margins(m),
                     "requests": {
                         str(r): {"near_ties": c.routing.near_ties, "followed": c.routing.followed}
                         for r, c in sorted(self.checks[m].items())
@@ -905,7 +1220,26 @@ class Verdict:
             f"every mode (tolerance {self.tolerance:.0e}; worst {self._worst_text()}"
             f"{self._twin_text()}){self._exchange_text()}; routing near ties within "
             f"{self.margin:.1e} up to layer {TIE_DEPTH} (in proportion to the layer past it), "
-            f"token-layer decisions: {ties or 'none'}"
+            f"token-layer decisions: {ties or 'none'}{self._drift_text()}"
+        )
+
+    def _drift_text(self) -> str:
+        """How close the followed decisions came to the drift margins, where those apply."""
+        applied = [
+            record
+            for mode in self.checks
+            if (record := self.drift_margins(mode))
+            and record["tie_margin_from"] == "drift"
+            and record["drift_probes"]
+        ]
+        if not applied:
+            return ""
+        ratios = [r["smallest_drift_margin_to_gap"] for r in applied]
+        closest = min((r for r in ratios if r is not None), default=None)
+        return (
+            f"; every followed decision within its layer's drift margin ({DRIFT_SAFETY:g}x the "
+            "largest tie-gap drift measured at the probed tokens there or shallower"
+            + (f"; closest margin / gap {closest:.2f})" if closest is not None else ")")
         )
 
     def _exchange_text(self) -> str:
@@ -972,6 +1306,7 @@ def verify(
     notes: list[str] | None = None,
     twin: Callable[[], MonolithicModel] | None = None,
     exchange_tolerance: float | None = None,
+    tie_margin_from: str | None = None,
 ) -> Checks:
     """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
     per-replica results by mode, FFN intervals) against ``reference``; with a
@@ -979,13 +1314,19 @@ def verify(
     confirmed miss of the tolerance alone is checked against the float32 ``twin`` (built
     only then, dropped before returning), and ``notes`` receives a line for each replay
     that did not reproduce. Recorded exchanges are checked layer by layer
-    (:func:`check_exchanges`; what came back to ``exchange_tolerance``). The twin
+    (:func:`check_exchanges`; what came back to ``exchange_tolerance``). Once a mode's
+    replicas are checked, its :class:`DriftMargins` are measured and written into its
+    checks (:func:`apply_drift_margins`); with ``tie_margin_from`` ``drift`` (default:
+    :data:`TIE_MARGIN_FROM`) a followed decision above them is a wrong expert. The twin
     replays come after every reference check.
 
     ``reference`` is the model, or a :class:`ReferenceBuilder`: a model built here is held
     by the verifier alone and dropped before the twin is built, so the two need not fit in
     device memory together (v2-lite's 27 bf16 layers and their twin do not fit an H100).
     A model passed in stays alive (the caller holds it) beside the twin."""
+    rule = TIE_MARGIN_FROM if tie_margin_from is None else tie_margin_from
+    if rule not in TIE_MARGIN_SOURCES:
+        raise ValueError(f"tie_margin_from must be one of {TIE_MARGIN_SOURCES}, got {rule!r}")
     if isinstance(reference, ReferenceBuilder):
         model, built = reference.build(), True
     else:
@@ -996,7 +1337,11 @@ def verify(
     try:
         for modes, _, values, _ in outcomes:
             for mode in modes:
+                first = len(verifier.evidence)
                 parts[mode] = [verifier.check(prompts, replica[mode]) for replica in values]
+                layers = verifier._model().config.moe_layers
+                apply_drift_margins(verifier.evidence[first:], layers, margin, rule == "drift")
+                del verifier.evidence[first:]  # its gaps are counted: free them
         verifier.twin_pass()
     finally:
         verifier.close()
@@ -1011,25 +1356,35 @@ def verify(
 
 __all__ = [
     "DRIFT_FACTOR",
+    "DRIFT_FLOOR",
+    "DRIFT_SAFETY",
     "LAYER_TIE_MARGIN",
     "QUANT_TIE_MARGIN",
     "ROUTER_WEIGHT_TOLERANCE",
     "TIE_DEPTH",
     "TIE_MARGIN",
+    "TIE_MARGIN_FROM",
+    "TIE_MARGIN_SOURCES",
     "Checks",
+    "DriftMargins",
+    "ProbedGaps",
     "ReferenceBuilder",
     "ReplicaReplay",
     "RequestCheck",
     "RoutingCounts",
+    "TieEvidence",
     "TwinCheck",
     "Verdict",
     "Verifier",
     "WrongExpert",
+    "apply_drift_margins",
     "check_request",
+    "drift_margin_at",
     "layer_tie_margin",
     "not_finite",
     "replay_replica",
     "same_replay",
+    "tie_evidence",
     "tie_margin_at",
     "verify",
 ]
