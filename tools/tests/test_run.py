@@ -227,6 +227,34 @@ def test_bf16_near_ties_where_run_and_reference_differ_pass_and_are_counted(
     assert 0 < ties["largest_followed_gap"] <= TIE_MARGIN["bfloat16"]
 
 
+def test_the_drift_margin_is_asked_for_on_the_command_line_and_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--tie-margin-from drift`` reaches verification: a replica whose states drift
+    (``afd_run_plants.drifted_replica``) shows that drift at its probed tokens, so the
+    margin it measures passes every decision the reference followed, and the report says
+    which margin judged, per layer, never above the depth margin."""
+    import afd_run_plants
+
+    from afd_tools.run import ranks
+
+    monkeypatch.setattr(ranks, "attention_replica", afd_run_plants.drifted_replica)
+    report = tmp_path / "run.json"
+    argv = [*ONE_PAIR, "--dtype", "bfloat16", "--requests", "16", "--tie-margin-from", "drift",
+            "--json", str(report)]  # fmt: skip
+    assert main(argv) == 0
+    assert "PASS: every request's final hidden state matches" in capsys.readouterr().out
+    ties = _strict_json(report.read_text())["verification_near_ties"]["async"]
+    assert ties["tie_margin_from"] == "drift"
+    assert ties["followed"] >= 1
+    assert ties["drift_rejected"] == 0
+    assert ties["smallest_drift_margin_to_gap"] >= 1
+    margins = list(ties["drift_margin_by_layer"].values())
+    assert margins
+    assert all(2.0**-8 <= m <= TIE_MARGIN["bfloat16"] * 2 for m in margins)
+    assert ties["within_drift_margin"] <= ties["all_decisions"]
+
+
 def test_a_router_that_flips_near_ties_itself_fails_the_layer_local_check(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

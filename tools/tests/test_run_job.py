@@ -36,6 +36,7 @@ def _parsed(*argv: str) -> Any:
         ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens must be >= 1, got 0"),
         ({"tie_margin": 1.5}, "--tie-margin must be within [0, 1], got 1.5"),
         ({"tie_margin": float("nan")}, "--tie-margin must be within [0, 1], got nan"),
+        ({"tie_margin_from": "both"}, "--tie-margin-from must be one of depth, drift, got 'both'"),
         ({"timeout": 0.0}, "--timeout must be > 0 seconds, got 0.0"),
         ({"run_timeout": -1.0}, "--run-timeout must be > 0 seconds, got -1.0"),
         ({"preset": "gpt-5"}, "--preset gpt-5: choose one of "),
@@ -98,7 +99,7 @@ def test_the_command_line_builds_the_job_field_by_field() -> None:
         "--device", "cpu", "--attention-ranks", "3", "--ffn-ranks", "1", "--mode", "sync",
         "--workload-file", "w.jsonl", "--rate", "12.5", "--stages", "2", "--shared", "ffn",
         "--wire-format", "per_choice", "--combine-reduce", "attention", "--tie-margin", "0.5",
-        "--json", "out.json", "--no-progress",
+        "--tie-margin-from", "drift", "--json", "out.json", "--no-progress",
     )  # fmt: skip
     job = job_from_args(args)
     assert job == RunJob(
@@ -113,6 +114,7 @@ def test_the_command_line_builds_the_job_field_by_field() -> None:
         wire_format="per_choice",
         combine_reduce="attention",
         tie_margin=0.5,
+        tie_margin_from="drift",
         json=Path("out.json"),
         no_progress=True,
     )

@@ -244,6 +244,7 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
         notes,
         twin if lower else None,
         job.exchange_tolerance,
+        job.tie_margin_from,
     )
     for note in notes:
         print(f"afd run: verification: {note}", file=sys.stderr, flush=True)

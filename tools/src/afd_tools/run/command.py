@@ -29,7 +29,7 @@ from afd_tools.run.api import execute
 from afd_tools.run.devices import COLOCATED
 from afd_tools.run.job import MODES, QUANT_TOLERANCE, TOLERANCE, WARM_PASS, RunJob
 from afd_tools.run.plan import prepare
-from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN
+from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN, TIE_MARGIN_FROM, TIE_MARGIN_SOURCES
 
 DEFAULT = RunJob()
 """The job of ``afd run`` without options: where the options' defaults come from."""
@@ -134,6 +134,17 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         + f", {QUANT_TIE_MARGIN:.1e} with --cam-dynamic-quant); elsewhere a different choice "
         "is a wrong expert. 1 follows every disagreement: the report's largest followed gap "
         "then measures what a device needs",
+    )
+    p.add_argument(
+        "--tie-margin-from",
+        choices=TIE_MARGIN_SOURCES,
+        default=TIE_MARGIN_FROM,
+        help="verification: what judges a decision the reference followed at a near tie. "
+        "depth (default): the margin above, grown in proportion to the layer past layer 8; "
+        "drift: at most that, 3x the largest tie-gap drift measured at the probed tokens "
+        "(the run's recorded router rows against the reference replay's) at that layer or a "
+        "shallower one, at least 2^-8, so it excuses fewer decisions. Both are reported "
+        "(JSON: verification_near_ties); docs/testing.md has the measurements",
     )
     p.add_argument(
         "--colocated",

@@ -28,7 +28,7 @@ from afd_protocol import CombineReduce, SharedPlacement, WireFormat
 from afd_tools.prefill.run_report import Deployment
 from afd_tools.prefill.workload import ASSIGNMENTS, PRESETS, WorkloadError
 from afd_tools.run.devices import COLOCATED
-from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN
+from afd_tools.run.verify import QUANT_TIE_MARGIN, TIE_MARGIN, TIE_MARGIN_FROM, TIE_MARGIN_SOURCES
 
 MODES = ("async", "sync", "colocated")
 """The modes ``afd run`` compares, in the order they run."""
@@ -96,6 +96,10 @@ class RunJob:
     dtype: str | None = None
     tie_margin: float | None = None
     """Verification: the router-score gap of a near tie (``None``: the dtype's default)."""
+    tie_margin_from: str = TIE_MARGIN_FROM
+    """Verification: what judges a decision the reference followed at a near tie:
+    ``depth`` (the margin grown with the layer) or ``drift`` (the tighter margin from the
+    drift measured at the probed tokens; :class:`afd_tools.run.verify.DriftMargins`)."""
     colocated: str | None = None
     # the wire
     stages: int = 1
@@ -189,6 +193,11 @@ class RunJob:
             )
         if self.tie_margin is not None and not 0 <= self.tie_margin <= 1:
             raise WorkloadError(f"--tie-margin must be within [0, 1], got {self.tie_margin}")
+        if self.tie_margin_from not in TIE_MARGIN_SOURCES:
+            raise WorkloadError(
+                f"--tie-margin-from must be one of {', '.join(TIE_MARGIN_SOURCES)}, got "
+                f"{self.tie_margin_from!r}"
+            )
         for name in ("timeout", "run_timeout"):
             value = getattr(self, name)
             if not value > 0:
