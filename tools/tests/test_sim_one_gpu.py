@@ -463,6 +463,30 @@ def test_the_h100_runs_at_27_layers_validate_as_docs_sim_says(capsys: Any) -> No
     assert cal.attn_square_s > 0  # the step records separate the squared-length cost
 
 
+def test_the_h100_arrivals_runs_are_predicted_as_docs_sim_says(capsys: Any) -> None:
+    """docs/sim.md's measured arrivals (2026-12-06): fitted on the all-at-once H100 runs,
+    the simulator predicts async under Poisson arrivals within 18 % and sync 18-77 % slow
+    on TTFT p50; each row names its arrival rate."""
+    fit = CALIBRATIONS / "h100-mps-v2-lite-27-runs.json.gz"
+    arrivals = CALIBRATIONS / "h100-mps-v2-lite-27-arrivals-runs.json.gz"
+    argv = ["sim", "validate", str(fit), "--cores-grid", "none", "--notify-grid", "50,200,500",
+            "--idle-grid", "0,0.1", "--predict", str(arrivals), "--no-progress"]  # fmt: skip
+    main(argv)
+    printed = capsys.readouterr().out
+    assert (
+        "makespan_s: 3 of 4 within 15%, mean |error| 5.2%, worst 18.1%; ttft_p50: 1 of 4 "
+        "within 15%, mean |error| 32.1%, worst 76.6%"
+    ) in printed
+    rows = {
+        "| 2A1F uneven 48 req at 4/s, budget 16384, stages 2 | sync | 2 |": "| +34% |",
+        "| 2A1F uneven 48 req at 2/s, budget 16384, stages 2 | sync | 1 |": "| +77% |",
+        "| 2A1F uneven 48 req at 4/s, budget 16384, stages 2 | async | 2 |": "| +0% |",
+    }
+    for row, ttft_error in rows.items():
+        line = next(line for line in printed.splitlines() if line.startswith(row))
+        assert line.endswith(ttft_error), line
+
+
 def test_the_shipped_h100_calibration_is_its_command_on_its_runs(tmp_path: Path) -> None:
     """``h100-mps-v2-lite-27.json`` is what its own ``command`` fits on the shipped runs:
     every coefficient equal (only where and when it was written differ)."""

@@ -148,7 +148,9 @@ class MeasuredRun:
         """The configuration, without the repetition: runs with one label are repeats."""
         return (
             f"{self.attention_ranks}A{self.ffn_ranks}F {self.workload} "
-            f"{len(self.requests)} req, budget {self.budget}, stages {self.stages}"
+            f"{len(self.requests)} req"
+            + (f" at {self.deployment.rate:g}/s" if self.deployment.rate is not None else "")
+            + f", budget {self.budget}, stages {self.stages}"
             + (f" (>= {self.min_stage_tokens} tokens each)" if self.min_stage_tokens else "")
         )
 
