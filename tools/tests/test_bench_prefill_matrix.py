@@ -652,7 +652,7 @@ def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: 
     variable's; each other one is skipped with a line, and its help lists every name."""
     import subprocess
 
-    only = {"MAIN_JOB_ONLY": "split-2a1f target-long-3a1f  arrivals"}
+    only = {"MAIN_JOB_ONLY": "split-2a1f\ttarget-long-3a1f \n arrivals"}  # any whitespace
     out, calls, names = _run_full_main_job(tmp_path, 139, env=only)
     assert names == ["target-long-3a1f", "arrivals", "split-2a1f"]
     assert "--warm-up off" not in calls[0]  # the sitting's first run still warms up
@@ -673,6 +673,12 @@ def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: 
          "of --full (names: depth-v2-lite arrivals-v2-lite target-long-3a1f arrivals "
          "split-2a1f target-long target-2a1f full)"),
         ("arrivals", (), "MAIN_JOB_ONLY picks among --full's benchmarks only"),
+        (" \t", ("--full",), "MAIN_JOB_ONLY is set but names no benchmark (names: "
+         "depth-v2-lite arrivals-v2-lite target-long-3a1f arrivals split-2a1f target-long "
+         "target-2a1f full); unset it to run them all"),
+        ("f*", ("--full",), "MAIN_JOB_ONLY names 'f*', which is no benchmark of --full "
+         "(names: depth-v2-lite arrivals-v2-lite target-long-3a1f arrivals split-2a1f "
+         "target-long target-2a1f full)"),
     ],
 )  # fmt: skip
 def test_main_job_only_refuses_a_name_it_does_not_run(
@@ -684,6 +690,21 @@ def test_main_job_only_refuses_a_name_it_does_not_run(
     assert done.returncode == 2
     assert done.stderr == f"tools/gpu/main-job: {message}\n"
     assert not record.exists()
+
+
+def test_main_job_only_says_when_a_named_benchmark_did_not_run_here(tmp_path: Path) -> None:
+    """On an 80 GB GPU v3-slice's benchmarks are skipped by size: naming one of them runs
+    nothing for it, and the script says so and exits 1 instead of reporting success."""
+    only = {"MAIN_JOB_ONLY": "arrivals-v2-lite arrivals"}
+    done, record = _main_job_with_probe(tmp_path, "1 79", only)
+    assert done.returncode == 1
+    calls = record.read_text().splitlines()
+    assert len(calls) == 1
+    assert "--preset v2-lite" in calls[0]
+    assert "--rate 4 --rate 2" in calls[0]
+    assert ("main job: MAIN_JOB_ONLY names arrivals, which did not run on this machine (see "
+            "its line above)") in done.stdout  # fmt: skip
+    assert "[main-job] arrivals: v3-slice skipped" in done.stdout
 
 
 def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(

@@ -465,7 +465,7 @@ def test_the_h100_runs_at_27_layers_validate_as_docs_sim_says(capsys: Any) -> No
 
 def test_the_h100_arrivals_runs_are_predicted_as_docs_sim_says(capsys: Any) -> None:
     """docs/sim.md's measured arrivals (2026-12-06): fitted on the all-at-once H100 runs,
-    the simulator predicts async under Poisson arrivals within 18 % and sync 18-77 % slow
+    the simulator predicts async under Poisson arrivals within 18 % and sync 34-77 % slow
     on TTFT p50; each row names its arrival rate."""
     fit = CALIBRATIONS / "h100-mps-v2-lite-27-runs.json.gz"
     arrivals = CALIBRATIONS / "h100-mps-v2-lite-27-arrivals-runs.json.gz"

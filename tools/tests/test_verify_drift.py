@@ -180,9 +180,9 @@ def test_a_followed_decision_above_the_drift_margin_is_a_wrong_expert_when_appli
     assert rejected.routing.smallest_drift_ratio == pytest.approx(0.06 / 0.1)
     assert rejected.problem(2e-2) == (
         "wrong expert at layer 20: token 1 went to experts [0, 5] where the reference routes "
-        "it to [0, 4] with no near tie (gap 1.0e-01, drift margin 6.0e-02 at that layer, from "
-        "the drift measured at the probed tokens; depth margin 3.1e-01); 1 such token-layer "
-        "decisions"
+        "it to [0, 4] above the drift margin (gap 1.0e-01, drift margin 6.0e-02 at that "
+        "layer, from the drift measured at the probed tokens; depth margin 3.1e-01); 1 such "
+        "token-layer decisions"
     )
     assert checks[1].problem(2e-2) is None
     assert (checks[1].routing.decisions, checks[1].routing.within_drift) == (2, 1)
@@ -272,10 +272,14 @@ def test_the_report_gives_the_drift_margins_per_layer_in_strict_json() -> None:
     assert ties["smallest_drift_margin_to_gap"] == pytest.approx(0.6)
     for value in (*ties["drift_by_layer"].values(), *ties["drift_margin_by_layer"].values()):
         assert math.isfinite(value)
-    quiet = data["verification_near_ties"]["colocated"]
-    assert quiet["drift_by_layer"] == {"1": None, "20": None}  # nothing probed
-    assert quiet["drift_margin_by_layer"] == {"1": 0.125, "20": 0.3125}
-    assert quiet["smallest_drift_margin_to_gap"] is None  # nothing followed
+    assert ties["drift_unmeasured_layers"] == []
+    quiet = data["verification_near_ties"]["colocated"]  # nothing probed: no figures
+    assert {k: quiet[k] for k in ("tie_margin_from", "drift_probes")} == {
+        "tie_margin_from": "depth",
+        "drift_probes": 0,
+    }
+    assert "drift_margin_by_layer" not in quiet
+    assert "smallest_drift_margin_to_gap" not in quiet
     hand_built = Verdict({"async": {0: RequestCheck(0.0)}}, 2e-2, 0.125).as_json()
     assert "drift_by_layer" not in hand_built["verification_near_ties"]["async"]
 
@@ -443,3 +447,42 @@ def test_the_pass_line_names_the_drift_margin_only_where_it_applies() -> None:
         "drift measured at the probed tokens there or shallower; closest margin / gap 1.20)"
     )  # 3 x 0.02 / 0.05
     assert "drift margin" not in line(applied=False)
+
+
+def test_applying_the_drift_margins_twice_counts_once_and_leaves_the_replay_s_counts() -> None:
+    """The counts are made afresh from the evidence each time, on copies: a second
+    application gives the same checks, and the replay's own counts are not touched."""
+    checks: dict[int, RequestCheck] = {}
+    replicas = evidence(checks)
+    replicas[0].checks[0].routing.largest_followed_by_layer[20] = 0.1
+    before = replicas[0].checks[0]
+    apply_drift_margins(replicas, LAYERS, 0.125, applied=True)
+    once = {rid: c for e in replicas for rid, c in e.checks.items()}
+    apply_drift_margins(replicas, LAYERS, 0.125, applied=True)
+    twice = {rid: c for e in replicas for rid, c in e.checks.items()}
+    assert twice == once
+    assert twice[0].routing.drift_rejected == 1
+    twice[0].routing.largest_followed_by_layer[20] = 0.9
+    assert before.routing.largest_followed_by_layer == {20: 0.1}
+    assert (before.routing.drift_rejected, before.drift) == (0, None)
+
+
+def test_a_layer_whose_drift_is_not_finite_is_named_as_held_to_the_depth_margin() -> None:
+    """A NaN drift at layer 20 (a probe that could not be measured) leaves that layer at the
+    depth margin; the report and the pass line name it rather than claim a drift margin."""
+    replica = TieEvidence(
+        torch.tensor([[0.01], [math.nan]], dtype=torch.float64),
+        torch.tensor([[0.2], [0.05]]),
+        torch.tensor([0]),
+        [Followed(0, 1, 0, 0, 0.05, (1, 2), (1, 3))],
+        {0: RequestCheck(1e-3)},
+    )
+    record = apply_drift_margins([replica], LAYERS, 0.125, applied=True)
+    assert record.margins == (pytest.approx(0.03), 0.3125)  # layer 20: the depth margin
+    verdict = Verdict({"async": replica.checks}, 2e-2, 0.125)
+    ties = verdict.as_json()["verification_near_ties"]["async"]
+    assert ties["drift_unmeasured_layers"] == [20]
+    assert ties["drift_by_layer"] == {"1": 0.01, "20": None}
+    assert "; layers [20] held to the depth margin: a drift there was not finite)" in (
+        verdict.pass_line()
+    )
