@@ -249,15 +249,18 @@ def tie_evidence(
         if routing is None or not bool(here.any()):
             continue
         place = [(rid, position) for rid, b, e, _ in step for position in range(b, e)]
-        for index, row in here.nonzero().tolist():
+        layer_index, row_index = here.nonzero(as_tuple=True)  # one gather per step, not per row
+        picked = zip(
+            layer_index.tolist(),
+            row_index.tolist(),
+            replay.gaps[number][layer_index, row_index].tolist(),
+            routing[number][layer_index, row_index].sort(dim=-1).values.tolist(),
+            replay.own[number][layer_index, row_index].sort(dim=-1).values.tolist(),
+            strict=True,
+        )
+        for index, row, gap, run, own in picked:
             rid, position = place[row]
-            followed.append(
-                _Followed(
-                    number, index, rid, position, float(replay.gaps[number][index, row]),
-                    tuple(sorted(routing[number][index, row].tolist())),
-                    tuple(sorted(replay.own[number][index, row].tolist())),
-                )
-            )  # fmt: skip
+            followed.append(_Followed(number, index, rid, position, gap, tuple(run), tuple(own)))
     drift = torch.zeros(moe_layers, 0, dtype=torch.float64)
     if probed is not None and probed.steps:
         columns: dict[int, list[int]] = {}
