@@ -1363,6 +1363,7 @@ def verify(
     else:
         model, built = reference, False
     verifier = Verifier(model, margin, tolerance, twin, exchange_tolerance, release_reference=built)
+    layers = model.config.moe_layers
     del model, reference
     parts: dict[str, list[dict[int, RequestCheck]]] = {}
     try:
@@ -1370,7 +1371,6 @@ def verify(
             for mode in modes:
                 first = len(verifier.evidence)
                 parts[mode] = [verifier.check(prompts, replica[mode]) for replica in values]
-                layers = verifier._model().config.moe_layers
                 apply_drift_margins(verifier.evidence[first:], layers, margin, rule == "drift")
                 del verifier.evidence[first:]  # its gaps are counted: free them
         verifier.twin_pass()
