@@ -548,10 +548,10 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    # Two of the quick size (eager, graph-replayed), nine full: v2-lite's depth check and
-    # arrivals, and the long mix's 2A2F and 3A1F as one call with five GPUs or more, as two
-    # on fewer (3A1F at 3 layers there).
-    assert len(calls) == 11
+    # Two of the quick size (eager, graph-replayed), ten full: v2-lite's depth check,
+    # arrivals and least-tokens assignment, and the long mix's 2A2F and 3A1F as one call
+    # with five GPUs or more, as two on fewer (3A1F at 3 layers there).
+    assert len(calls) == 12
     three_layers = [argv for argv in calls if "--run-arg=--layers=3" in argv]
     assert len(three_layers) == 1
     assert "3:1" in three_layers[0]
@@ -592,6 +592,11 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
     wrong = subprocess.run(["bash", str(MAIN_JOB), "--fast"], capture_output=True, text=True)
     assert wrong.returncode == 2
     assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
+
+
+FULL_NAMES = ("depth-v2-lite arrivals-v2-lite assign-v2-lite target-long-3a1f arrivals "
+              "split-2a1f target-long target-2a1f full")  # fmt: skip
+"""tools/gpu/main-job --full's benchmarks, in its order, as its messages list them."""
 
 
 def _main_job_with_probe(
@@ -636,8 +641,8 @@ def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path)
     """The calls run in the documented order, each resumable with a time budget and its
     plots, and only the sitting's first one keeps afd bench prefill's warm-up launch."""
     _, calls, names = _run_full_main_job(tmp_path, 139)
-    assert names == ["depth-v2-lite", "arrivals-v2-lite", "target-long-3a1f", "arrivals",
-                     "split-2a1f", "target-long", "target-2a1f", "full"]  # fmt: skip
+    assert names == ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite", "target-long-3a1f",
+                     "arrivals", "split-2a1f", "target-long", "target-2a1f", "full"]  # fmt: skip
     assert "--preset v2-lite --workload uneven --layout 2:1 --stages 2 " in calls[0]
     for call in calls:
         assert call.startswith("-m afd_tools.cli bench prefill ")
@@ -656,7 +661,9 @@ def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: 
     out, calls, names = _run_full_main_job(tmp_path, 139, env=only)
     assert names == ["target-long-3a1f", "arrivals", "split-2a1f"]
     assert "--warm-up off" not in calls[0]  # the sitting's first run still warms up
-    for skipped in ["depth-v2-lite", "arrivals-v2-lite", "target-long", "target-2a1f", "full"]:
+    skipped_here = ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite", "target-long",
+                    "target-2a1f", "full"]  # fmt: skip
+    for skipped in skipped_here:
         assert f"[main-job] {skipped}: not in MAIN_JOB_ONLY, skipped" in out
     (tmp_path / "all").mkdir()
     everything = _run_full_main_job(tmp_path / "all", 139)[2]
@@ -670,15 +677,12 @@ def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: 
     ("only", "args", "message"),
     [
         ("arrivals depth", ("--full",), "MAIN_JOB_ONLY names 'depth', which is no benchmark "
-         "of --full (names: depth-v2-lite arrivals-v2-lite target-long-3a1f arrivals "
-         "split-2a1f target-long target-2a1f full)"),
+         f"of --full (names: {FULL_NAMES})"),
         ("arrivals", (), "MAIN_JOB_ONLY picks among --full's benchmarks only"),
-        (" \t", ("--full",), "MAIN_JOB_ONLY is set but names no benchmark (names: "
-         "depth-v2-lite arrivals-v2-lite target-long-3a1f arrivals split-2a1f target-long "
-         "target-2a1f full); unset it to run them all"),
+        (" \t", ("--full",), f"MAIN_JOB_ONLY is set but names no benchmark (names: "
+         f"{FULL_NAMES}); unset it to run them all"),
         ("f*", ("--full",), "MAIN_JOB_ONLY names 'f*', which is no benchmark of --full "
-         "(names: depth-v2-lite arrivals-v2-lite target-long-3a1f arrivals split-2a1f "
-         "target-long target-2a1f full)"),
+         f"(names: {FULL_NAMES})"),
     ],
 )  # fmt: skip
 def test_main_job_only_refuses_a_name_it_does_not_run(
@@ -714,9 +718,10 @@ def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
     that only runs v3-slice is skipped with a line that says why, and the one that runs
     both presets runs v2-lite alone."""
     out, calls, names = _run_full_main_job(tmp_path, 79)
-    assert names == ["depth-v2-lite", "arrivals-v2-lite", "full"]
+    assert names == ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite", "full"]
     assert all("v3-slice" not in call for call in calls)
-    assert "--preset v2-lite --workload uneven --workload uniform" in calls[2]
+    assert "--layout 3:1 --layout 2:1 --stages 2 --run-arg=--assign=least-tokens" in calls[2]
+    assert "--preset v2-lite --workload uneven --workload uniform" in calls[3]
     for skipped in ["target-long-3a1f", "arrivals", "split-2a1f", "target-long", "target-2a1f"]:
         line = (f"[main-job] {skipped}: v3-slice skipped: its FFN rank's routed experts "
                 "alone are 84 GiB (94 GiB its whole process on an H200) and this GPU has 79 "
