@@ -548,10 +548,11 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    # Two of the quick size (eager, graph-replayed), ten full: v2-lite's depth check,
-    # arrivals and least-tokens assignment, and the long mix's 2A2F and 3A1F as one call
-    # with five GPUs or more, as two on fewer (3A1F at 3 layers there).
-    assert len(calls) == 12
+    # Two of the quick size (eager, graph-replayed), eleven full: v2-lite's depth check,
+    # arrivals, and least-tokens assignment all at once and under arrivals, and the long
+    # mix's 2A2F and 3A1F as one call with five GPUs or more, as two on fewer (3A1F at 3
+    # layers there).
+    assert len(calls) == 13
     three_layers = [argv for argv in calls if "--run-arg=--layers=3" in argv]
     assert len(three_layers) == 1
     assert "3:1" in three_layers[0]
@@ -594,8 +595,8 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
     assert "unknown argument '--fast' (use --full or nothing)" in wrong.stderr
 
 
-FULL_NAMES = ("depth-v2-lite arrivals-v2-lite assign-v2-lite target-long-3a1f arrivals "
-              "split-2a1f target-long target-2a1f full")  # fmt: skip
+FULL_NAMES = ("depth-v2-lite arrivals-v2-lite assign-v2-lite arrivals-assign-v2-lite "
+              "target-long-3a1f arrivals split-2a1f target-long target-2a1f full")  # fmt: skip
 """tools/gpu/main-job --full's benchmarks, in its order, as its messages list them."""
 
 
@@ -641,8 +642,7 @@ def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path)
     """The calls run in the documented order, each resumable with a time budget and its
     plots, and only the sitting's first one keeps afd bench prefill's warm-up launch."""
     _, calls, names = _run_full_main_job(tmp_path, 139)
-    assert names == ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite", "target-long-3a1f",
-                     "arrivals", "split-2a1f", "target-long", "target-2a1f", "full"]  # fmt: skip
+    assert names == FULL_NAMES.split()
     assert "--preset v2-lite --workload uneven --layout 2:1 --stages 2 " in calls[0]
     for call in calls:
         assert call.startswith("-m afd_tools.cli bench prefill ")
@@ -661,8 +661,8 @@ def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: 
     out, calls, names = _run_full_main_job(tmp_path, 139, env=only)
     assert names == ["target-long-3a1f", "arrivals", "split-2a1f"]
     assert "--warm-up off" not in calls[0]  # the sitting's first run still warms up
-    skipped_here = ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite", "target-long",
-                    "target-2a1f", "full"]  # fmt: skip
+    skipped_here = ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite",
+                    "arrivals-assign-v2-lite", "target-long", "target-2a1f", "full"]  # fmt: skip
     for skipped in skipped_here:
         assert f"[main-job] {skipped}: not in MAIN_JOB_ONLY, skipped" in out
     (tmp_path / "all").mkdir()
@@ -718,10 +718,12 @@ def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
     that only runs v3-slice is skipped with a line that says why, and the one that runs
     both presets runs v2-lite alone."""
     out, calls, names = _run_full_main_job(tmp_path, 79)
-    assert names == ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite", "full"]
+    assert names == ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite",
+                     "arrivals-assign-v2-lite", "full"]  # fmt: skip
     assert all("v3-slice" not in call for call in calls)
     assert "--layout 3:1 --layout 2:1 --stages 2 --run-arg=--assign=least-tokens" in calls[2]
-    assert "--preset v2-lite --workload uneven --workload uniform" in calls[3]
+    assert "--rate 4 --ttft-slo 2 --run-arg=--assign=least-tokens" in calls[3]
+    assert "--preset v2-lite --workload uneven --workload uniform" in calls[4]
     for skipped in ["target-long-3a1f", "arrivals", "split-2a1f", "target-long", "target-2a1f"]:
         line = (f"[main-job] {skipped}: v3-slice skipped: its FFN rank's routed experts "
                 "alone are 84 GiB (94 GiB its whole process on an H200) and this GPU has 79 "
