@@ -42,7 +42,9 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
         "--assign",
         choices=ASSIGNMENTS,
         default="round-robin",
-        help="how requests are given to replicas",
+        help="how requests are given to replicas, in arrival order: round-robin, or "
+        "least-tokens, to the replica given the fewest prompt tokens so far (all at once "
+        "the least loaded; under --rate a static balance that does not see completions)",
     )
     p.add_argument(
         "--max-num-batched-tokens",

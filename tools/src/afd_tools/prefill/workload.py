@@ -151,8 +151,10 @@ def assign(
     policy: str,
     tokens: Sequence[tuple[int, ...] | None] | None = None,
 ) -> list[Request]:
-    """Requests with replicas chosen by ``round-robin`` or ``least-tokens`` (outstanding);
-    ``tokens[i]`` are request ``i``'s token ids when the workload gave them."""
+    """Requests with replicas chosen in arrival order by ``round-robin`` or ``least-tokens``
+    (the replica given the fewest prompt tokens so far: all at once the least loaded; under
+    arrivals a static balance, blind to completions); ``tokens[i]`` are request ``i``'s
+    token ids when the workload gave them."""
     if policy not in ASSIGNMENTS:
         raise WorkloadError(f"unknown assignment {policy!r}; choose one of {list(ASSIGNMENTS)}")
     load = [0] * replicas
