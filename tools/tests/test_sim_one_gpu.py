@@ -487,6 +487,80 @@ def test_the_h100_arrivals_runs_are_predicted_as_docs_sim_says(capsys: Any) -> N
         assert line.endswith(ttft_error), line
 
 
+H100_RUNS = CALIBRATIONS / "h100-mps-v2-lite-27-runs.json.gz"
+H100_MORE_RUNS = CALIBRATIONS / "h100-mps-v2-lite-27-more-runs.json.gz"
+
+
+def test_the_new_h100_runs_are_none_of_the_fitted_ones() -> None:
+    """The 2026-12-06 bundle holds seven runs, none of them a measurement the shipped
+    calibration was fitted on: 2A1F at two and four stages, 3A1F and 2A2F."""
+    from afd_tools.sim.measured import read_runs
+
+    old, new = read_runs([H100_RUNS]), read_runs([H100_MORE_RUNS])
+    assert not [n.source for n in new if any(n.same_measurement(o) for o in old)]
+    assert sorted((r.attention_ranks, r.ffn_ranks, r.stages) for r in new) == [
+        (2, 1, 2), (2, 1, 4), (2, 2, 1), (2, 2, 2), (3, 1, 1), (3, 1, 2), (3, 1, 4)
+    ]  # fmt: skip
+    assert all(r.role_split() == (25.0, 25.0) and r.layers == 27 for r in new)
+
+
+def test_the_new_h100_runs_are_predicted_as_docs_sim_says(capsys: Any) -> None:
+    """docs/sim.md's out-of-sample check (2026-12-06): fitted on the five runs of
+    2026-12-05 (the shipped calibration's fit), the seven new runs -- 3A1F and 2A2F among
+    them -- are predicted; three rows miss 15 %, all fast."""
+    argv = ["sim", "validate", str(H100_RUNS), "--cores-grid", "none", "--notify-grid",
+            "50,200,500", "--idle-grid", "0,0.1", "--predict", str(H100_MORE_RUNS),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "makespan_s: 8 of 9 within 15%, mean |error| 8.8%, worst 17.4%; ttft_p50: 6 of 9 "
+        "within 15%, mean |error| 11.3%, worst 22.4%; both within 15%: 6 of 9"
+    ) in printed
+    row = "| 3A1F uneven 48 req, budget 16384, stages 2 | async | 1 | 9.270 (9.270–9.270) "
+    line = next(line for line in printed.splitlines() if line.startswith(row))
+    assert line.endswith("| 7.661 | -17% | 4.255 (4.255–4.255) | 3.303 | -22% |"), line
+
+
+def test_leaving_one_pair_out_of_all_twelve_h100_runs_as_docs_sim_says(capsys: Any) -> None:
+    """docs/sim.md's leave-one-A:F-out on the old and new H100 runs together (1A1F, 2A1F,
+    3A1F, 2A2F); the 2A1F two-stage async rows of both days are two repeats."""
+    argv = ["sim", "validate", str(H100_RUNS), str(H100_MORE_RUNS), "--cores-grid", "none"]
+    assert main([*argv, "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "makespan_s: 15 of 16 within 15%, mean |error| 6.7%, worst 16.5%; ttft_p50: 13 of 16 "
+        "within 15%, mean |error| 8.1%, worst 21.8%; both within 15%: 13 of 16"
+    ) in printed
+    assert "| 2A1F uneven 48 req, budget 16384, stages 2 | async | 2 | 9.591 (9.586–9.596) |" in (
+        printed
+    )
+
+
+def test_a_bundle_can_leave_out_the_runs_bundled_before(tmp_path: Path, capsys: Any) -> None:
+    """``afd sim bundle --exclude``: the reports of the given files that another file
+    already holds (the same deployment, requests and measurements, whatever their names)
+    are left out, and the command says so; excluding every report is an error."""
+    from afd_tools.sim.measured import read_runs
+
+    out = tmp_path / "new.json.gz"
+    argv = ["sim", "bundle", str(H100_RUNS), str(H100_MORE_RUNS), "-o", str(out)]
+    assert main([*argv, "--exclude", str(H100_RUNS)]) == 0
+    assert "7 reports" in capsys.readouterr().out
+    kept, expected = read_runs([out]), read_runs([H100_MORE_RUNS])
+    assert len(kept) == len(expected)
+    assert all(k.same_measurement(e) for k, e in zip(kept, expected, strict=True))
+    import gzip
+
+    command = json.loads(gzip.decompress(out.read_bytes()))["command"]
+    assert command.endswith(f"--exclude {H100_RUNS}")
+    both = ["--exclude", str(H100_MORE_RUNS), str(H100_RUNS)]
+    assert main([*argv, *both]) == 2
+    assert "no measured runs that the excluded files do not already hold" in (
+        capsys.readouterr().err
+    )
+
+
 def test_the_shipped_h100_calibration_is_its_command_on_its_runs(tmp_path: Path) -> None:
     """``h100-mps-v2-lite-27.json`` is what its own ``command`` fits on the shipped runs:
     every coefficient equal (only where and when it was written differ)."""

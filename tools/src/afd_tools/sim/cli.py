@@ -495,6 +495,16 @@ def _bundle_parser(kinds: Any) -> None:
         help="keep only the runs of this preset (a calibration holds one; afd bench prefill "
         "writes every preset it ran into one file)",
     )
+    b.add_argument(
+        "--exclude",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="RUNS",
+        help="leave out every report that is the same measurement (deployment, requests and "
+        "measured modes) as one in these files: the new runs of a bench file that also "
+        "holds runs bundled before",
+    )
     b.set_defaults(handler=run_bundle)
 
 
@@ -507,7 +517,9 @@ def run_bundle(args: argparse.Namespace) -> int:
         argv += ["--notes", args.notes]
     if args.preset:
         argv += ["--preset", args.preset]
-    data = measured.bundle(list(args.runs), shlex.join(argv), args.notes, args.preset)
+    if args.exclude:
+        argv += ["--exclude", *(str(p) for p in args.exclude)]
+    data = measured.bundle(list(args.runs), shlex.join(argv), args.notes, args.preset, args.exclude)
     payload = measured.encode_bundle(data)
     write_atomically(args.output, lambda tmp: tmp.write_bytes(payload))
     print(f"wrote {args.output}: {len(data['reports'])} reports, {len(payload) / 1e3:.1f} kB")

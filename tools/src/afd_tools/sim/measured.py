@@ -338,19 +338,31 @@ def read_runs(paths: list[Path]) -> list[MeasuredRun]:
 
 
 def bundle(
-    paths: list[Path], command: str, notes: str, preset_name: str | None = None
+    paths: list[Path],
+    command: str,
+    notes: str,
+    preset_name: str | None = None,
+    exclude: list[Path] | None = None,
 ) -> dict[str, Any]:
     """One run bundle of every report in ``paths`` (each checked to parse; only those of
-    ``preset_name`` when given), named by its file name; bundles and bench files are
-    flattened into it."""
+    ``preset_name`` when given; none that is the same measurement as a run in the files
+    ``exclude`` names, :meth:`MeasuredRun.same_measurement`: a campaign's new runs, when
+    its bench file also holds runs bundled before), named by its file name; bundles and
+    bench files are flattened into it."""
+    known = read_runs(exclude) if exclude else []
     reports = []
     for path in paths:
         for where, name, report in _reports(_load(path), path):
-            if preset_name is None or parse_report(report, where).preset == preset_name:
-                reports.append({"source": name, "report": report})
+            run = parse_report(report, where)
+            if preset_name is not None and run.preset != preset_name:
+                continue
+            if any(run.same_measurement(other) for other in known):
+                continue
+            reports.append({"source": name, "report": report})
     if not reports:
         kept = "" if preset_name is None else f" of preset {preset_name}"
-        raise SimError(f"no measured runs{kept} in the given files")
+        left = " that the excluded files do not already hold" if known else ""
+        raise SimError(f"no measured runs{kept}{left} in the given files")
     names = [r["source"] for r in reports]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
