@@ -627,6 +627,45 @@ def test_the_arrivals_projections_are_what_docs_sim_published(
         assert round(summary.tokens_per_s) == tokens_per_s
 
 
+@pytest.mark.parametrize(
+    ("attention_ranks", "rate", "assign", "expected"),
+    [(3, None, "round-robin", {"async": (25281, 3.30, 7.66), "sync": (20895, 3.65, 9.27)}),
+     (3, None, "least-tokens", {"async": (28323, 4.90, 6.84), "sync": (24990, 5.81, 7.75)}),
+     (2, None, "round-robin", {"async": (22686, 4.43, 8.54), "sync": (17289, 5.75, 11.20)}),
+     (2, None, "least-tokens", {"async": (23113, 5.58, 8.38), "sync": (16770, 7.95, 11.55)}),
+     (2, 4, "round-robin", {"async": (16447, 1.36, 4.81), "sync": (12905, 3.68, 8.11)}),
+     (2, 4, "least-tokens", {"async": (16988, 1.13, 3.24), "sync": (13519, 3.50, 6.76)})],
+)  # fmt: skip
+def test_the_assignment_projections_are_what_docs_sim_published(
+    attention_ranks: int,
+    rate: int | None,
+    assign: str,
+    expected: dict[str, tuple[int, float, float]],
+    tmp_path: Path,
+    capsys: Any,
+) -> None:
+    """docs/sim.md's projection for main-job's assign-v2-lite and arrivals-assign-v2-lite
+    (requests balanced by tokens given, beside round-robin), written before the GPU runs:
+    per mode, tokens/s and TTFT p50 and p99."""
+    from afd_tools.prefill.metrics import ModeSummary
+
+    out = tmp_path / "sim.json"
+    argv = ["sim", *H100_V2_LITE, "--attention-ranks", str(attention_ranks), "--ffn-ranks",
+            "1", "--workload", "uneven", "--requests", "48", "--max-prompt-len", "16384",
+            "--max-num-batched-tokens", "16384", "--stages", "2", "--mode", "all",
+            "--assign", assign, "--json", str(out)]  # fmt: skip
+    if rate is not None:
+        argv += ["--rate", str(rate)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    modes = json.loads(out.read_text())["modes"]
+    for mode, (tokens_per_s, p50, p99) in expected.items():
+        summary = ModeSummary.from_json(modes[mode], "sim.json")
+        assert round(summary.tokens_per_s) == tokens_per_s
+        assert summary.ttft_p50 == pytest.approx(p50, abs=0.005)
+        assert summary.ttft_p99 == pytest.approx(p99, abs=0.005)
+
+
 def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> None:
     source = CALIBRATIONS / "h200-mps-quick-v3-slice-runs.json.gz"
     out = tmp_path / "v3.json.gz"
