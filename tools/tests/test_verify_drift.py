@@ -31,6 +31,7 @@ from afd_tools.run.verify import (
     Verdict,
     apply_drift_margins,
     drift_margin_at,
+    drift_reach,
     tie_evidence,
     tie_margin_at,
     verify,
@@ -40,12 +41,28 @@ from afd_tools.run.verify import _Followed as Followed
 INF, NAN = math.inf, math.nan
 
 
+SHIPPED_SAFETY = verify_module.DRIFT_SAFETY
+SHIPPED_FLOOR = verify_module.DRIFT_FLOOR
+SHIPPED_REACH = verify_module.drift_reach
+"""The shipped rule, for the tests that judge it rather than the arithmetic."""
+
+
 @pytest.fixture(autouse=True)
 def fixed_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hand-computed values below assume a safety of 3 and a floor of 2^-8, whatever
-    the shipped constants are."""
+    """The hand-computed values below assume a safety of 3, a floor of 2^-8 and no
+    extrapolation from the probed tokens to the rest (a reach of 1), whatever the shipped
+    constants are; the reach is tested on its own, and the shipped rule on a case shaped
+    like the GPU's (below)."""
     monkeypatch.setattr(verify_module, "DRIFT_SAFETY", 3.0)
     monkeypatch.setattr(verify_module, "DRIFT_FLOOR", 2.0**-8)
+    monkeypatch.setattr(verify_module, "drift_reach", lambda tokens, probes: 1.0)
+
+
+def shipped_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undo :func:`fixed_rule`: the rule as shipped."""
+    monkeypatch.setattr(verify_module, "DRIFT_SAFETY", SHIPPED_SAFETY)
+    monkeypatch.setattr(verify_module, "DRIFT_FLOOR", SHIPPED_FLOOR)
+    monkeypatch.setattr(verify_module, "drift_reach", SHIPPED_REACH)
 
 
 def test_the_gap_drift_is_the_difference_or_the_sum_where_the_choice_crossed() -> None:
@@ -69,6 +86,25 @@ def test_the_drift_margin_is_safety_times_the_drift_floored_and_capped_by_depth(
     assert drift_margin_at(0.1, 0.125) == 0.125  # never looser than the depth margin
     assert drift_margin_at(0.0, 1e-5) == 1e-5  # the floor neither
     assert drift_margin_at(INF, 0.3) == 0.3  # unmeasured: the depth margin
+
+
+def test_the_reach_extrapolates_from_the_probed_tokens_to_every_token_by_their_logs() -> None:
+    reach = drift_reach
+    assert reach(193_681, 452) == pytest.approx(math.log(193_681) / math.log(452))  # ~1.99
+    assert reach(10_000, 100) == pytest.approx(2.0)
+    assert reach(8, 8) == 1.0  # every token probed: the largest drift is measured
+    assert reach(5, 8) == 1.0
+    assert reach(100, 1) == INF  # one probe shows no tail
+    assert reach(100, 0) == INF
+    assert reach(0, 0) == 1.0
+
+
+def test_the_drift_margin_multiplies_the_drift_by_the_reach_within_floor_and_depth() -> None:
+    assert drift_margin_at(0.01, 0.125, 2.0) == pytest.approx(0.06)  # 3 x 2 x 0.01
+    assert drift_margin_at(0.05, 0.125, 2.0) == 0.125  # never looser than the depth margin
+    assert drift_margin_at(0.0, 0.125, 2.0) == 2.0**-8
+    assert drift_margin_at(0.01, 0.125, INF) == 0.125  # no tail measured: the depth margin
+    assert drift_margin_at(0.0, 0.125, INF) == 0.125
 
 
 def test_the_evidence_pairs_each_probe_with_the_replay_s_row_and_lists_the_followed() -> None:
@@ -167,6 +203,9 @@ def test_a_followed_decision_above_the_drift_margin_is_a_wrong_expert_when_appli
         depth=(0.125, 0.3125),
         probes=3,
         applied=True,
+        tokens=6,
+        reach=1.0,
+        factor=3.0,
     )
     checks = {rid: c for e in replicas for rid, c in e.checks.items()}
     rejected = checks[0]
@@ -261,6 +300,7 @@ def test_the_report_gives_the_drift_margins_per_layer_in_strict_json() -> None:
     ties = data["verification_near_ties"]["async"]
     assert ties["tie_margin_from"] == "depth"
     assert ties["drift_probes"] == 3
+    assert (ties["drift_tokens"], ties["drift_reach"], ties["drift_margin_factor"]) == (6, 1, 3)
     assert ties["drift_by_layer"] == {"1": 0.002, "20": 0.02}
     assert ties["drift_margin_by_layer"] == {
         "1": pytest.approx(0.006),
@@ -486,3 +526,77 @@ def test_a_layer_whose_drift_is_not_finite_is_named_as_held_to_the_depth_margin(
     assert "; layers [20] held to the depth margin: a drift there was not finite)" in (
         verdict.pass_line()
     )
+
+
+GPU_TOKENS, GPU_PROBES = 193_681, 452
+"""The H100's two-stage runs (v2-lite, 27 layers, 2A1F and 2A2F async with --stages 2, 48
+requests up to 16K): tokens of the mode and probed tokens among them."""
+
+
+def gpu_shaped(gaps_followed: Sequence[float]) -> TieEvidence:
+    """One replica shaped like those runs at MoE layers 1 (the first; no shallower layer's
+    drift can raise its margin) and 2: the largest drift at the 452 probes 0.00238 at layer
+    1 and 0.0094 at layer 2, and the decisions followed at layer 1 with ``gaps_followed``
+    (the runs' largest, 0.00737, was within the depth margin and every final state passed)."""
+    drift = torch.full((2, GPU_PROBES), 1e-3, dtype=torch.float64)
+    drift[0, 17], drift[1, 301] = 0.00238, 0.0094
+    gaps = torch.full((2, GPU_TOKENS), 0.5)
+    owners = torch.arange(GPU_TOKENS) // 4096  # 48 requests of 4096 tokens (the last short)
+    followed = []
+    for n, gap in enumerate(gaps_followed):
+        row = 1000 + 5000 * n
+        gaps[0, row] = gap
+        followed.append(Followed(0, 0, row // 4096, row % 4096, gap, (1, 2), (1, 3)))
+    checks = {rid: RequestCheck(1e-3) for rid in range(int(owners[-1]) + 1)}
+    return TieEvidence(drift, gaps, owners, followed, checks)
+
+
+def test_the_first_moe_layer_s_tail_beyond_the_probes_is_not_a_wrong_expert(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU's false rejection: 3 x the largest drift of 452 probes at layer 1 is 0.00714,
+    below the gap 0.00737 of a decision followed there in a correct run. The largest of
+    193,681 draws reaches further than the largest of 452 -- by ln(193,681) / ln(452) = 1.99
+    for an exponential tail -- so the shipped margin extrapolates by that reach and passes
+    it with room to spare, while still rejecting a decision four times as far from a tie
+    (within the depth margin of 0.125, which the replay followed it by)."""
+    layers = (1, 2)
+    old = apply_drift_margins([gpu_shaped([0.00737])], layers, 0.125, applied=True)
+    assert old.margins[0] == pytest.approx(0.00714)  # the rule before: 3 x 0.00238
+    shipped_rule(monkeypatch)
+    replica = gpu_shaped([0.00737])
+    record = apply_drift_margins([replica], layers, 0.125, applied=True)
+    assert record.tokens == GPU_TOKENS
+    assert record.reach == pytest.approx(1.99, abs=0.005)
+    assert record.factor == pytest.approx(SHIPPED_SAFETY * record.reach)
+    assert record.margins[0] == pytest.approx(record.factor * 0.00238)
+    assert record.margins[0] <= record.depth[0]
+    assert all(c.problem(2e-2) is None for c in replica.checks.values())
+    assert sum(c.routing.drift_rejected for c in replica.checks.values()) == 0
+    ratio = min(c.routing.smallest_drift_ratio for c in replica.checks.values())
+    assert ratio >= 1.4  # margin / gap: the rule's headroom on the GPU's worst case
+    verdict = Verdict({"async": replica.checks}, 2e-2, 0.125)
+    ties = verdict.as_json()["verification_near_ties"]["async"]
+    assert ties["drift_tokens"] == GPU_TOKENS
+    assert ties["drift_reach"] == pytest.approx(record.reach)
+    assert ties["drift_rejected"] == 0
+    assert (
+        f"({record.factor:.3g}x the largest tie-gap drift measured at the probed tokens "
+        f"there or shallower: {SHIPPED_SAFETY:g}x, times ln(tokens) / ln(probed tokens) for "
+        "the tokens no probe saw; closest margin / gap" in verdict.pass_line()
+    )
+    far = gpu_shaped([0.00737, 4 * 0.00737])
+    apply_drift_margins([far], layers, 0.125, applied=True)
+    problems = [p for c in far.checks.values() if (p := c.problem(2e-2))]
+    assert len(problems) == 1
+    assert "above the drift margin (gap 2.9e-02" in problems[0]
+
+
+def test_the_old_rule_rejected_the_gpu_s_correct_decision() -> None:
+    """What the test above fixes, under the rule before it (a reach of 1): the followed
+    decision at gap 0.00737 is counted as a wrong expert at margin / gap 0.97."""
+    replica = gpu_shaped([0.00737])
+    apply_drift_margins([replica], (1, 2), 0.125, applied=True)
+    assert sum(c.routing.drift_rejected for c in replica.checks.values()) == 1
+    ratio = min(c.routing.smallest_drift_ratio for c in replica.checks.values())
+    assert ratio == pytest.approx(0.97, abs=0.005)
