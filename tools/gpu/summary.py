@@ -87,6 +87,20 @@ def main(folder: str) -> int:
     else:
         rows.append(("1-GPU loop", "(no loopback-formats.json)", "FAIL"))
         failed += 1
+    # stage_attention.py's verdict: a later stage piece's attention (lower-right causal mask)
+    # against the boolean mask and the whole prompt; its last line says PASS or FAIL.
+    stage_log = root / "stage-attention.log"
+    verdicts = [
+        line
+        for line in (stage_log.read_text().splitlines() if stage_log.exists() else [])
+        if line.startswith("stage_attention: ")
+    ]
+    if verdicts and "PASS" in verdicts[-1]:
+        rows.append(("stage attention", "lower-right mask vs boolean and whole", "pass"))
+    else:
+        why = verdicts[-1] if verdicts else f"(no verdict in {stage_log.name})"
+        rows.append(("stage attention", why, "FAIL"))
+        failed += 1
     # bench-prefill.json: the main job on 1-2 GPUs; bench-prefill-4gpu.json: the 4-GPU
     # section (issue #17), when the machine had four. Each run names its A:F, split and stages.
     files = sorted(

@@ -38,10 +38,11 @@ def test_each_failed_test_and_missing_result_is_counted_and_named_last(tmp_path:
         "FAILED test: test_parity_x (FAIL)",
         "FAILED bench: (no benchmark json) (FAIL)",
         "FAILED 1-GPU loop: (no loopback-formats.json) (FAIL)",
+        "FAILED stage attention: (no verdict in stage-attention.log) (FAIL)",
         "FAILED prefill: (no bench-prefill.json) (FAIL)",
     ]
     assert lines[-len(failed) :] == failed  # the tail of the output
-    assert "tests: 2 passed, 2 skipped; 5 failed (tests and checks)" in shown.stdout
+    assert "tests: 2 passed, 2 skipped; 6 failed (tests and checks)" in shown.stdout
 
 
 def test_a_clean_run_names_nothing_and_exits_0(tmp_path: Path) -> None:
@@ -55,7 +56,26 @@ def test_a_clean_run_names_nothing_and_exits_0(tmp_path: Path) -> None:
     (tmp_path / "bench-nvshmem.skipped").write_text("")
     (tmp_path / "loopback-formats.json").write_text(json.dumps({}))
     (tmp_path / "bench-prefill.json").write_text(json.dumps({"runs": []}))
+    (tmp_path / "stage-attention.log").write_text("| table |\nstage_attention: PASS: agree\n")
     shown = _summary(tmp_path)
     assert shown.returncode == 0, shown.stdout
     assert "FAILED" not in shown.stdout
-    assert "tests: 2 passed, 2 skipped; 0 failed" in shown.stdout
+    assert "tests: 3 passed, 2 skipped; 0 failed" in shown.stdout  # with stage attention
+
+
+def test_a_failed_stage_attention_check_is_named(tmp_path: Path) -> None:
+    clean = (
+        JUNIT.replace("test_broken", "test_fine_too")
+        .replace("<failure", "<x")
+        .replace("</failure>", "</x>")
+    )
+    (tmp_path / "gpu-tests.xml").write_text(clean)
+    (tmp_path / "parity-tests.xml").write_text(clean)
+    (tmp_path / "bench-nvshmem.skipped").write_text("")
+    (tmp_path / "loopback-formats.json").write_text(json.dumps({}))
+    (tmp_path / "bench-prefill.json").write_text(json.dumps({"runs": []}))
+    verdict = "stage_attention: FAIL: outputs not finite or apart by 2e-2 or more"
+    (tmp_path / "stage-attention.log").write_text(f"| table |\n{verdict}\n")
+    shown = _summary(tmp_path)
+    assert shown.returncode == 1, shown.stdout
+    assert f"FAILED stage attention: {verdict} (FAIL)" in shown.stdout.splitlines()

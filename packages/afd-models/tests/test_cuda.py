@@ -17,7 +17,9 @@ from afd_models import (
     BackendUnavailable,
     ExpertWeights,
     GroupedRows,
+    KVCache,
     MonolithicModel,
+    PromptChunk,
     RandomWeights,
     get_expert_backend,
 )
@@ -111,3 +113,24 @@ def test_attention_never_lets_cudnn_plan_per_length(monkeypatch: pytest.MonkeyPa
     model.forward(PROMPTS, num_stages=2)  # stage 2 attends through the cache (a mask)
     assert not any(enabled for _, enabled in seen), seen
     assert _cudnn_sdp_enabled() == before  # the setting is scoped to the call
+
+
+@pytest.mark.parametrize("name", ["tiny", "v3-mini"])
+def test_later_pieces_attend_on_cuda_as_the_whole_prompt_does(name: str) -> None:
+    """A piece that starts mid-prompt (a later stage or chunk) attends through the cache
+    with the lower-right causal mask, which the GPU's fused kernel applies itself (skipping
+    the tiles it masks whole): in float32 the pieces give the whole prompt's hidden states
+    at every position, for pieces that start on a 64-row tile boundary and off one."""
+    config = make_preset(name)
+    model = MonolithicModel(config, RandomWeights(3), dtype=torch.float32, device="cuda")
+    tokens = [(7 * i + 3) % config.vocab_size for i in range(300)]
+    whole = model.forward([tokens], compute_logits=False).hidden_states
+    cache = KVCache()
+    pieces = []
+    for begin, end in ((0, 64), (64, 157), (157, 300)):
+        step = [PromptChunk("p", tokens[begin:end], begin, end == len(tokens))]
+        pieces.append(model.forward(step, cache=cache, compute_logits=False).hidden_states)
+    assert len(cache) == 0
+    chunked = torch.cat(pieces)
+    assert torch.isfinite(chunked).all()
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)

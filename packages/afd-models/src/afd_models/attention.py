@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch.nn import functional as nnf
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from afd_models.batch import KVCache, Segment
 from afd_models.config import DeepseekConfig
@@ -124,15 +125,20 @@ class MLAttention:
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> torch.Tensor:
-        """Causal attention of queries at positions ``start..`` over keys ``0..``."""
+        """Causal attention ``[len, heads, v_head_dim]`` of queries ``q`` ``[len, heads,
+        qk_head_dim]`` at positions ``start..start+len`` over keys ``k`` / values ``v``
+        ``[start+len, heads, d]`` at positions ``0..start+len`` (model dtype and device)."""
         # [1, heads, len, d]: with a batch dimension, fused kernels (cuDNN, flash,
         # memory-efficient) apply; 3-D inputs fall back to the unfused math kernel.
         q_, k_, v_ = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
         if start == 0:
             out = nnf.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale)
         else:
-            qpos = torch.arange(start, start + q.shape[0], device=q.device)
-            kpos = torch.arange(k.shape[0], device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]
+            # The keys end where the queries end, so the causal mask is the lower-right
+            # aligned one: as a CausalBias the memory-efficient kernel applies it itself and
+            # skips the tiles it masks whole, where a materialised boolean mask made it read
+            # a [len, start+len] bias and compute every tile (docs/benchmarks.md, "Stage
+            # pieces' attention"). On the CPU it is materialised, as before.
+            mask = causal_lower_right(q.shape[0], k.shape[0])
             out = nnf.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale)
         return out.squeeze(0).transpose(0, 1)
