@@ -68,7 +68,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict packages/afd-protocol/src
-	MYPYPATH=tools/gpu $(VENV)/bin/mypy $(foreach d,$(filter-out packages/afd-protocol,$(PKG_DIRS)),$(d)/src) tools/dev tools/gpu/summary.py tools/gpu/host_overheads.py tools/gpu/loopback_formats.py tools/gpu/profile_dispatch.py tools/gpu/graph_launch.py tools/gpu/bf16_sensitivity.py tools/gpu/sdpa_shapes.py tools/gpu/share_probe.py
+	MYPYPATH=tools/gpu $(VENV)/bin/mypy $(foreach d,$(filter-out packages/afd-protocol,$(PKG_DIRS)),$(d)/src) tools/dev tools/gpu/summary.py tools/gpu/host_overheads.py tools/gpu/loopback_formats.py tools/gpu/profile_dispatch.py tools/gpu/graph_launch.py tools/gpu/bf16_sensitivity.py tools/gpu/sdpa_shapes.py tools/gpu/share_probe.py tools/gpu/stage_attention.py
 
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports

@@ -18,7 +18,6 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch.nn import functional as nnf
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from afd_models.batch import KVCache, Segment
 from afd_models.config import DeepseekConfig
@@ -138,7 +137,11 @@ class MLAttention:
             # aligned one: as a CausalBias the memory-efficient kernel applies it itself and
             # skips the tiles it masks whole, where a materialised boolean mask made it read
             # a [len, start+len] bias and compute every tile (docs/benchmarks.md, "Stage
-            # pieces' attention"). On the CPU it is materialised, as before.
+            # pieces' attention"). On the CPU it is materialised, as before. Imported here:
+            # the module imports torch._dynamo, and with it Triton, whose bindings report
+            # leaks at exit (triton 3.9), in every process that imports this one.
+            from torch.nn.attention.bias import causal_lower_right
+
             mask = causal_lower_right(q.shape[0], k.shape[0])
             out = nnf.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale)
         return out.squeeze(0).transpose(0, 1)
