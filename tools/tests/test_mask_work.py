@@ -3,26 +3,18 @@ against pair counts worked out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from scripts import load_script
 
 from afd_tools.prefill.workload import Request
-
-SCRIPT = Path(__file__).resolve().parents[1] / "dev" / "mask_work.py"
 
 
 @pytest.fixture(scope="module")
 def mask_work() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mask_work", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("dev/mask_work.py")
 
 
 def test_a_piece_at_zero_is_causal_in_both_forms(mask_work: ModuleType) -> None:

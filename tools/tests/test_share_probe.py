@@ -5,7 +5,6 @@ being no GPU -- reports each failure by share and setting and leaves no daemon b
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from scripts import load_script
 
 from afd_transport_nvshmem import mps
 from afd_transport_nvshmem.mps_stand_in import environment_without_mps, wait_gone, write_stand_in
@@ -24,13 +24,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "gpu" / "share_probe.py"
 
 @pytest.fixture(scope="module")
 def probe() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("share_probe", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["share_probe"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu/share_probe.py")
 
 
 def test_shares_and_settings_are_checked_and_named(probe: ModuleType) -> None:
