@@ -12,6 +12,7 @@ import afd_models_naive as naive
 import pytest
 import torch
 from torch.nn import functional
+from torch.overrides import TorchFunctionMode
 
 from afd_models import (
     BackendUnavailable,
@@ -92,25 +93,30 @@ def _cudnn_sdp_enabled() -> bool:
     return bool(torch.backends.cuda.cudnn_sdp_enabled())  # type: ignore[no-untyped-call]
 
 
-def test_attention_never_lets_cudnn_plan_per_length(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_never_lets_cudnn_plan_per_length() -> None:
     """cuDNN's SDPA builds a plan per sequence length (48 ms on an H200 for each new
     prompt length, docs/benchmarks.md), so the model runs attention with it disabled: every
     call, of any length, with or without a cache, sees cuDNN off."""
     seen: list[tuple[int, bool]] = []
-    original = functional.scaled_dot_product_attention
 
-    def recording(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append((q.shape[-2], _cudnn_sdp_enabled()))
-        out: torch.Tensor = original(q, *args, **kwargs)
-        return out
+    class Recording(TorchFunctionMode):
+        """Sees every SDPA call before its arguments' own overrides (a causal bias
+        dispatches itself there, so patching the function would bypass it)."""
 
-    monkeypatch.setattr(functional, "scaled_dot_product_attention", recording)
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func is functional.scaled_dot_product_attention:
+                seen.append((args[0].shape[-2], _cudnn_sdp_enabled()))
+            return func(*args, **(kwargs or {}))
+
     config = make_preset("v3-mini")
     model = MonolithicModel(config, RandomWeights(3), dtype=torch.bfloat16, device="cuda")
     before = _cudnn_sdp_enabled()
-    model.forward(PROMPTS)
-    assert {n for n, _ in seen} >= {37, 5, 80}
-    model.forward(PROMPTS, num_stages=2)  # stage 2 attends through the cache (a mask)
+    with Recording():
+        model.forward(PROMPTS)
+        assert {n for n, _ in seen} >= {37, 5, 80}
+        model.forward(PROMPTS, num_stages=2)  # stage 2 attends through the cache (a mask)
     assert not any(enabled for _, enabled in seen), seen
     assert _cudnn_sdp_enabled() == before  # the setting is scoped to the call
 
