@@ -7,10 +7,11 @@ memory-efficient kernel computed every tile of that rectangle: ``len * (start + 
 query-key pairs. Causal attention needs ``len * start + len**2 / 2`` of them, which is what
 the lower-right causal bias (and ``is_causal`` for a piece at 0) computes, give or take a
 tile. This replays a workload's steps per replica exactly as ``afd run`` schedules them
-(:class:`~afd_tools.prefill.workload.ChunkQueue`, the stage cut of
-:meth:`afd_models.batch.PromptBatch.stages`) and prints, per replica count and stage count,
-the ratio of the two: how much more work the boolean mask made the attention kernel do.
-Paper only: it counts pairs, not time (the kernel is part of a layer's attention compute).
+(:class:`~afd_tools.prefill.workload.ChunkQueue`, and the stage cut that ``afd sim``
+shares with :meth:`afd_models.batch.PromptBatch.stages`) and prints, per replica count
+and stage count, the ratio of the two: how much more work the boolean mask made the
+attention kernel do. Paper only: it counts pairs, not time (the kernel is part of a
+layer's attention compute).
 
     python3 tools/dev/mask_work.py --replicas 1,2,3 --stages 1,2,4
 """
@@ -18,11 +19,12 @@ Paper only: it counts pairs, not time (the kernel is part of a layer's attention
 from __future__ import annotations
 
 import argparse
-import itertools
+import math
 import sys
 from collections.abc import Sequence
 
 from afd_tools.prefill.workload import ChunkQueue, Request, arrival_times, assign, prompt_lengths
+from afd_tools.sim.modes import stage_pieces
 
 
 def piece_work(start: int, length: int) -> tuple[float, float]:
@@ -34,23 +36,16 @@ def piece_work(start: int, length: int) -> tuple[float, float]:
 
 def replica_work(requests: Sequence[Request], budget: int, stages: int) -> tuple[float, float]:
     """``(boolean mask, causal)`` pairs over every step of one replica's ``requests`` (all at
-    once), each step cut into ``stages`` near-equal token ranges."""
+    once), each step cut into ``stages`` stages as ``afd run`` cuts it
+    (:func:`afd_tools.sim.modes.stage_pieces`)."""
     queue = ChunkQueue(requests, budget)
     masked = causal = 0.0
     while not queue.empty:
-        chunks = queue.next_step(float("inf"))
-        sizes = [c.end - c.begin for c in chunks]
-        total = sum(sizes)
-        count = max(1, min(stages, total))
-        bounds = sorted({(i * total) // count for i in range(count + 1)})
-        offsets = list(itertools.accumulate([0, *sizes]))
-        for begin, end in itertools.pairwise(bounds):
-            for chunk, offset, size in zip(chunks, offsets, sizes, strict=False):
-                lo, hi = max(begin, offset), min(end, offset + size)
-                if lo < hi:
-                    m, c = piece_work(chunk.begin + lo - offset, hi - lo)
-                    masked += m
-                    causal += c
+        for pieces in stage_pieces(queue.next_step(math.inf), stages):
+            for begin, end in pieces:
+                m, c = piece_work(begin, end - begin)
+                masked += m
+                causal += c
     return masked, causal
 
 

@@ -171,31 +171,42 @@ class _Barrier:
         return signal
 
 
-def stage_split(
+def stage_pieces(
     chunks: Sequence[Chunk], stages: int, min_stage_tokens: int = 0
-) -> list[tuple[float, float]]:
-    """``(tokens, square)`` of each of at most ``stages`` near-equal token ranges of a
-    batch (fewer under ``min_stage_tokens`` tokens per stage), cut as
-    :meth:`afd_models.batch.PromptBatch.stages` cuts it; ``square`` sums
-    ``end**2 - begin**2`` over the prompt positions in the range."""
+) -> list[list[tuple[int, int]]]:
+    """The prompt pieces of each of at most ``stages`` near-equal token ranges of a batch
+    (fewer under ``min_stage_tokens`` tokens per stage), cut as
+    :meth:`afd_models.batch.PromptBatch.stages` cuts it: per stage, the ``(begin, end)``
+    prompt positions of each chunk's part in it, in batch order."""
     total = sum(c.end - c.begin for c in chunks)
     stages = stage_count(total, stages, min_stage_tokens)
     bounds = sorted({(i * total) // stages for i in range(stages + 1)})
     out = []
     for lo_b, hi_b in itertools.pairwise(bounds):
-        tokens = 0.0
-        square = 0.0
+        pieces = []
         offset = 0
         for c in chunks:
             length = c.end - c.begin
             lo, hi = max(lo_b, offset), min(hi_b, offset + length)
             if lo < hi:
-                p0, p1 = c.begin + lo - offset, c.begin + hi - offset
-                tokens += p1 - p0
-                square += float(p1 * p1 - p0 * p0)
+                pieces.append((c.begin + lo - offset, c.begin + hi - offset))
             offset += length
-        out.append((tokens, square))
+        out.append(pieces)
     return out
+
+
+def stage_split(
+    chunks: Sequence[Chunk], stages: int, min_stage_tokens: int = 0
+) -> list[tuple[float, float]]:
+    """``(tokens, square)`` of each stage of :func:`stage_pieces`; ``square`` sums
+    ``end**2 - begin**2`` over the prompt positions in the range."""
+    return [
+        (
+            float(sum(p1 - p0 for p0, p1 in pieces)),
+            float(sum(p1 * p1 - p0 * p0 for p0, p1 in pieces)),
+        )
+        for pieces in stage_pieces(chunks, stages, min_stage_tokens)
+    ]
 
 
 class Simulation:
