@@ -3,6 +3,8 @@ earlier chunks' compressed MLA keys kept in a KVCache, gives the unchunked resul
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -84,6 +86,26 @@ def test_monolithic_chunks_of_1x_2_5x_and_8x_the_budget_equal_the_whole_prompts(
     for key, tokens in prompts.items():
         whole = model.forward([tokens], compute_logits=False).last_hidden_states()[0]
         torch.testing.assert_close(got[key], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_on_the_cpu_never_import_torch_dynamo() -> None:
+    """A continued chunk on the CPU attends through a boolean mask built in place: the
+    lower-right causal bias's module imports torch._dynamo (seconds, once per process, and
+    inside whichever timed step first continued a prompt) and Triton, whose bindings print
+    leak reports at exit. Checked in a fresh interpreter, where nothing else imported it."""
+    code = (
+        "import sys, torch\n"
+        "from afd_models import KVCache, MonolithicModel, PromptChunk, RandomWeights, preset\n"
+        "model = MonolithicModel(preset('tiny'), RandomWeights(3))\n"
+        "cache = KVCache()\n"
+        "model.forward([PromptChunk('a', [1, 2, 3], 0, final=False)], cache=cache)\n"
+        "model.forward([PromptChunk('a', [4, 5], 3, final=True)], cache=cache)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def test_role_split_chunks_equal_the_monolithic_model() -> None:

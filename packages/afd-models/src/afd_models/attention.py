@@ -12,8 +12,9 @@ values here, row by row exactly as the request's own tokens are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch.nn import functional as nnf
@@ -36,6 +37,21 @@ request and layer: in ``afd run --mode all`` the first mode paid them and the ne
 the plans cached (v3-slice ``uneven``: 245 ms of attention-side compute per layer for sync
 run first, 35 ms run second). Flash attention needs equal q/k/v head dims, which MLA does
 not have, so memory-efficient attention is what runs."""
+
+
+LowerRightBias = Callable[[int, int], Any]
+"""``torch.nn.attention.bias.causal_lower_right``: ``(queries, keys) -> CausalBias``."""
+
+
+def _lower_right_bias() -> LowerRightBias:
+    """torch's lower-right causal bias, imported when a GPU model is built. Not at this
+    module's import: ``torch.nn.attention.bias`` imports ``torch._dynamo`` and with it
+    Triton, whose bindings (triton 3.9) print leak reports at exit in every process that
+    imports it. Not inside a step either: that import takes seconds, and a timed step that
+    paid it stalled the monolithic baseline on one H200 (``docs/benchmarks.md``)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right
 
 
 def _allowed_kernels(device: torch.device) -> AbstractContextManager[None]:
@@ -69,6 +85,7 @@ class MLAttention:
         )
         self.kv_a_norm = RMSNorm(self.weights["kv_a_layernorm"], eps)
         self.scale = config.softmax_scale
+        self._lower_right = _lower_right_bias() if device.type == "cuda" else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {self.names[n]: t for n, t in self.weights.items()}
@@ -134,14 +151,17 @@ class MLAttention:
             out = nnf.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale)
         else:
             # The keys end where the queries end, so the causal mask is the lower-right
-            # aligned one: as a CausalBias the memory-efficient kernel applies it itself and
-            # skips the tiles it masks whole, where a materialised boolean mask made it read
-            # a [len, start+len] bias and compute every tile (docs/benchmarks.md, "Stage
-            # pieces' attention"). On the CPU it is materialised, as before. Imported here:
-            # the module imports torch._dynamo, and with it Triton, whose bindings report
-            # leaks at exit (triton 3.9), in every process that imports this one.
-            from torch.nn.attention.bias import causal_lower_right
-
-            mask = causal_lower_right(q.shape[0], k.shape[0])
+            # aligned one. On a GPU, as a CausalBias, the memory-efficient kernel applies it
+            # itself and skips the tiles it masks whole, where a materialised boolean mask
+            # made it read a [len, start+len] bias and compute every tile (docs/benchmarks.md,
+            # "Stage pieces' attention"). On the CPU the bias is materialised into this very
+            # mask (bitwise equal outputs), so the mask is built here, without the import.
+            mask: Any
+            if self._lower_right is not None:
+                mask = self._lower_right(q.shape[0], k.shape[0])
+            else:
+                qpos = torch.arange(start, start + q.shape[0], device=q.device)
+                kpos = torch.arange(k.shape[0], device=q.device)
+                mask = kpos[None, :] <= qpos[:, None]
             out = nnf.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale)
         return out.squeeze(0).transpose(0, 1)
