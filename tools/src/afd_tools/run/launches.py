@@ -255,6 +255,7 @@ def _monolithic_launch(plan: RunPlan, progress: Connection) -> Launch:
             "backend": job.backend,
             "progress": progress,
             "device": device,
+            "warm_pass": job.warms_whole_workload(device),
         },
     )
     factory = functools.partial(monolithic_connection, device=device)

@@ -63,11 +63,21 @@ def monolithic_replica(
     backend: str,
     progress: Pipe,
     device: str = "cpu",
+    warm_pass: bool = False,
 ) -> dict[str, ModeResult]:
     """Prefill ``requests`` (all of them: this is the only replica) with the whole model on
     ``device``; return ``{"colocated": ModeResult}`` as an attention replica does (final
     hidden states float32 ``[hidden]`` on the CPU, one per request; per step, the routing
-    int32 ``[moe layers, T, k]`` on the CPU)."""
+    int32 ``[moe layers, T, k]`` on the CPU).
+
+    Warmed up as an AFD replica is (:meth:`ReplicaSetup.warm_up
+    <afd_tools.run.replica.ReplicaSetup.warm_up>`): the small and the largest batch, then,
+    with ``warm_pass``, every request once, untimed. This process runs one mode only, so
+    without the pass that mode ran cold where the AFD modes it is compared with did not:
+    on one H200 the baseline stalled 3.3-5.2 s between its first and second finished
+    requests (first calls of a continued chunk, among them an import of torch's causal
+    bias module, 4.8 s on a 2-core CPU), which cut its tokens/s by up to a third
+    (``docs/benchmarks.md``)."""
     where = rank_device(connection, device)
     dtype = getattr(torch, connection.layout.dtype)
     model = MonolithicModel(
@@ -80,14 +90,16 @@ def monolithic_replica(
     )
     for warm in loop.warm_up_batches(largest_step=where.type == "cuda"):  # as a replica does
         model.forward(warm, compute_logits=False)
-    _synchronize(where)  # warmed up: allocations and first calls are not timed
-    freeze_heap()
 
     def step(entries: list[Prompt], rows: int, cache: KVCache) -> tuple[PrefillOutput, float]:
         output = model.forward(entries, compute_logits=False, cache=cache, select=log)
         _synchronize(where)  # the step ends when its work did
         return output, 0.0
 
+    if warm_pass:
+        loop.run_quietly(step)
+    _synchronize(where)  # warmed up: allocations and first calls are not timed
+    freeze_heap()
     return {MODE: loop.run(step)}
 
 

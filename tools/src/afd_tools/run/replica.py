@@ -240,6 +240,17 @@ class ChunkLoop:
                 result.exchanges.append(exchanged)
         return result
 
+    def run_quietly(self, step: Step, sizes: StepSizes | None = None) -> None:
+        """Prefill every request once through ``step`` as :meth:`run` does, but untimed and
+        uncounted: arrivals ignored (every request ready at once), no progress bytes, the
+        result dropped. The warm-up pass of a process's first mode (``--warm-pass``)."""
+        quiet = dataclasses.replace(
+            self,
+            requests=[dataclasses.replace(r, arrival=0.0) for r in self.requests],
+            report=False,
+        )
+        quiet.run(step, sizes)
+
     def _record(
         self,
         result: ModeResult,
@@ -404,13 +415,8 @@ class ReplicaSetup:
         (`afd run --mode all`: sync after async 38,597 tokens/s, sync first 27,561): the
         largest step alone does not load everything a workload's steps use (continued
         chunks, stage cuts, other sizes). After this pass every mode runs as a later one."""
-        quiet = dataclasses.replace(
-            self.loop,
-            requests=[dataclasses.replace(r, arrival=0.0) for r in self.loop.requests],
-            report=False,
-        )
         self.lockstep.barrier(self.run_timeout, "start of the warm-up pass")
-        quiet.run(mode.step, self.lockstep if mode.lockstepped else None)
+        self.loop.run_quietly(mode.step, self.lockstep if mode.lockstepped else None)
         self.timed.totals = LayerTimes()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
