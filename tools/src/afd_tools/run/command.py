@@ -219,9 +219,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "--warm-pass",
         choices=WARM_PASS,
         default=DEFAULT.warm_pass,
-        help="prefill every request once, untimed, in the first mode before the timed modes, "
-        "so that no mode runs cold (auto: on cuda, where a process's first mode ran up to "
-        "1.4x slower at makespans under a second; off on cpu)",
+        help="prefill every request once, untimed, in the first mode before the timed modes "
+        "(the monolithic baseline's process too), so that no mode runs cold (auto: on cuda, "
+        "where a process's first mode ran up to 1.4x slower at makespans under a second; off "
+        "on cpu)",
     )
     p.add_argument(
         "--seed", type=int, default=DEFAULT.seed, help="seed for weights and the workload"
