@@ -522,8 +522,9 @@ def test_check_sweeps_is_what_refuses(tmp_path: Path) -> None:
 MAIN_JOB = Path(__file__).resolve().parents[1] / "gpu" / "main-job"
 
 
-def _main_job_calls() -> list[list[str]]:
-    """Every ``bench NAME ARGS...`` call of the script, its arrays expanded, as argv."""
+def _main_job_named_calls() -> list[tuple[str, list[str]]]:
+    """Every ``bench NAME ARGS...`` call of the script, in order, as its NAME and its argv
+    (arrays expanded; a name that two branches define appears twice)."""
     import re
     import shlex
 
@@ -533,12 +534,18 @@ def _main_job_calls() -> list[list[str]]:
     }
     calls = []
     for line in re.findall(r"^\s*bench (\S.*)$", text, re.M):
+        name, *rest = shlex.split(line)
         words = []
-        for word in shlex.split(line)[1:]:  # drop the call's NAME
+        for word in rest:
             match = re.fullmatch(r"\$\{(\w+)\[@\]\}", word)
             words += arrays[match.group(1)] if match else [word]
-        calls.append(words)
+        calls.append((name, words))
     return calls
+
+
+def _main_job_calls() -> list[list[str]]:
+    """Every ``bench NAME ARGS...`` call of the script, its arrays expanded, as argv."""
+    return [argv for _, argv in _main_job_named_calls()]
 
 
 def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
@@ -834,6 +841,43 @@ def test_a_ttft_slo_that_is_not_a_finite_positive_time_is_refused(
     assert main(["bench", "prefill", "--quick", "--preset", "tiny", "--ttft-slo", slo]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("afd bench prefill: error: --ttft-slo must be a finite number of")
+
+
+def test_the_kept_h200_state_resumes_the_main_jobs_benchmarks_on_one_141_gb_gpu(
+    tmp_path: Path,
+) -> None:
+    """tools/gpu/main-job-state/h200-141gb holds what one H200 measured of ``--full``: each
+    file resumes the script's call of the same name as one GPU of 141 GB makes it (v3-slice
+    kept; ``shared`` empty, as on fewer than five GPUs; the 3A1F long mix at 3 layers),
+    keeping every run it holds; the same call with v2-lite in its place is refused."""
+    from afd_tools.bench.prefill_resume import ResumeError, resumed_runs
+
+    state = MAIN_JOB.parent / "main-job-state" / "h200-141gb"
+    one_gpu: dict[str, list[str]] = {}
+    for name, argv in _main_job_named_calls():
+        one_gpu.setdefault(name, argv)  # the first of two branches is the one-GPU one
+    run_args = ["--run-arg=--device=cuda", "--run-arg=--share-gpus"]
+    files = sorted(state.glob("*.json"))
+    assert {f.stem for f in files} == {"target-long-3a1f", "arrivals", "split-2a1f", "target-2a1f"}
+    for path in files:
+        argv = [a for a in one_gpu[path.stem] if a != "--run-arg=--share-gpus"]  # "shared"
+        parsed = build_parser().parse_args(["bench", "prefill", *argv, *run_args])
+        args = _args(*argv, *run_args)
+
+        def plan(presets: list[str], args: Any = args, workloads: Any = parsed.workload) -> Any:
+            runs = []
+            for preset in presets:
+                for workload in workloads:
+                    base = point_job(args, preset, workload, FULL, tmp_path)
+                    runs += [(p, job_of(base, p)) for p in expand(args, base, preset, workload)]
+            return runs
+
+        given = [a.removeprefix("--run-arg=") for a in [*argv, *run_args] if "--run-arg=" in a]
+        data = json.loads(path.read_text())
+        resumed = resumed_runs(path, plan(parsed.preset), FULL, parsed.ttft_slo, given, 0)
+        assert len(resumed.kept) == len(data["runs"]) > 0, path.name
+        with pytest.raises(ResumeError, match="another matrix"):
+            resumed_runs(path, plan(["v2-lite"]), FULL, parsed.ttft_slo, given, 0)
 
 
 def _without_v3_slice(argv: list[str]) -> list[str]:

@@ -561,12 +561,13 @@ def test_a_bundle_can_leave_out_the_runs_bundled_before(tmp_path: Path, capsys: 
     )
 
 
-def test_the_shipped_h100_calibration_is_its_command_on_its_runs(tmp_path: Path) -> None:
-    """``h100-mps-v2-lite-27.json`` is what its own ``command`` fits on the shipped runs:
+@pytest.mark.parametrize("name", ["h100-mps-v2-lite-27", "h200-mps-v3-full"])
+def test_a_shipped_mps_calibration_is_its_command_on_its_runs(tmp_path: Path, name: str) -> None:
+    """A shipped one-GPU calibration is what its own ``command`` fits on the shipped runs:
     every coefficient equal (only where and when it was written differ)."""
     import shlex
 
-    shipped = json.loads((CALIBRATIONS / "h100-mps-v2-lite-27.json").read_text())
+    shipped = json.loads((CALIBRATIONS / f"{name}.json").read_text())
     argv = shlex.split(shipped["command"])[1:]  # drop "afd"
     out = argv.index("-o") + 1
     root = Path(__file__).resolve().parents[2]
@@ -577,7 +578,30 @@ def test_the_shipped_h100_calibration_is_its_command_on_its_runs(tmp_path: Path)
     for key in ("command", "date"):
         shipped.pop(key)
         refit.pop(key)
-    assert refit == shipped
+    _assert_same_fit(refit, shipped)
+
+
+def _assert_same_fit(got: Any, shipped: Any, where: str = "calibration") -> None:
+    """``got`` is ``shipped``: the same keys, texts and counts, every float within 1e-9 of
+    it (a refit's last digits follow the BLAS build and its threads: 2.8283837248884405e-05
+    against 2.828383724888429e-05 on this VM), and no NaN or inf anywhere."""
+    if isinstance(shipped, dict):
+        assert isinstance(got, dict), where
+        assert sorted(got) == sorted(shipped), where
+        for key in shipped:
+            _assert_same_fit(got[key], shipped[key], f"{where}.{key}")
+    elif isinstance(shipped, list):
+        assert isinstance(got, list), where
+        assert len(got) == len(shipped), where
+        for index, (g, s) in enumerate(zip(got, shipped, strict=True)):
+            _assert_same_fit(g, s, f"{where}[{index}]")
+    elif isinstance(shipped, float):
+        assert isinstance(got, float | int), where
+        assert math.isfinite(got), where
+        assert math.isfinite(shipped), where
+        assert got == pytest.approx(shipped, rel=1e-9, abs=0.0), where
+    else:
+        assert got == shipped, where
 
 
 H100_V2_LITE = ["--calibration", "h100-mps-v2-lite-27", "--attention-share", "25",
@@ -777,3 +801,47 @@ def test_hold_out_needs_two_groups_and_a_known_kind() -> None:
         folds(runs, "pair")
     with pytest.raises(SimError, match="hold_out 'preset': choose one of pair, workload"):
         folds(runs, "preset")
+
+
+H200_FULL_RUNS = CALIBRATIONS / "h200-mps-full-v3-runs.json.gz"
+H200_3A1F_RUNS = CALIBRATIONS / "h200-mps-full-3a1f-long-runs.json.gz"
+GRID_ARGS = ["--cores-grid", "none", "--notify-grid", "50,200,500", "--idle-grid", "0,0.1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "summary_line"),
+    [
+        (
+            [str(H200_FULL_RUNS), "--hold-out", "workload"],
+            "makespan_s: 13 of 13 within 15%, mean |error| 3.8%, worst 10.6%; ttft_p50: 10 of "
+            "13 within 15%, mean |error| 13.2%, worst 47.5%",
+        ),
+        (
+            [str(H200_FULL_RUNS), "--predict", str(H200_3A1F_RUNS)],
+            "makespan_s: 2 of 2 within 15%, mean |error| 6.4%, worst 11.2%; ttft_p50: 2 of 2 "
+            "within 15%, mean |error| 5.3%, worst 10.0%",
+        ),
+        (
+            [str(H200_FULL_RUNS), str(H200_3A1F_RUNS)],
+            "makespan_s: 15 of 15 within 15%, mean |error| 5.8%, worst 11.5%; ttft_p50: 10 of "
+            "15 within 15%, mean |error| 22.5%, worst 132.0%",
+        ),
+    ],
+)
+def test_the_h200_runs_after_the_lower_right_fix_validate_as_docs_sim_says(
+    argv: list[str], summary_line: str, capsys: Any
+) -> None:
+    """docs/sim.md's current H200 table (checks 2-4), remade from the shipped runs of
+    2026-12-06: one workload held out, 3A1F at 3 layers from the 4-layer 2A1F fit, one A:F
+    pair held out."""
+    main(["sim", "validate", *argv, *GRID_ARGS, "--no-progress"])
+    assert summary_line in capsys.readouterr().out
+
+
+def test_the_h200_calibration_after_the_fix_is_the_fit_of_its_bundle() -> None:
+    """h200-mps-v3-full: fitted on the eleven reports of its bundle, at 25 % per rank and 4
+    layers, with all three attention terms determined by the step records."""
+    cal = costs.load("h200-mps-v3-full")
+    assert (cal.layers, cal.attention_share, cal.ffn_share) == (4, 25.0, 25.0)
+    assert min(cal.attn_fixed_s, cal.attn_token_s, cal.attn_square_s) > 0
+    assert H200_FULL_RUNS.name in cal.command

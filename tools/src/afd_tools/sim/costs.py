@@ -214,6 +214,7 @@ SHIPPED = (
     "h200-mps-v3",
     "h200-mps-quick-v3",
     "h100-mps-v2-lite-27",
+    "h200-mps-v3-full",
 )
 """Calibration files in the package (``afd_tools/sim/calibrations/NAME.json``)."""
 
