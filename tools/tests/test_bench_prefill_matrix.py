@@ -269,6 +269,56 @@ def test_each_row_is_compared_with_the_sync_run_of_its_own_group() -> None:
     assert "goodput" not in markdown_table(runs)  # no SLO stated, no column
 
 
+def test_a_monolithic_baseline_that_ran_cold_is_compared_with_nothing() -> None:
+    """A report from before 5746507 (the AFD modes warm, the monolithic baseline's process
+    not: ``baseline_warm_pass`` absent, so False) shows no colocated ratio, and its repeats
+    are left out of the spread by count; a report whose baseline ran the pass is compared,
+    and so is any baseline where nothing ran warm (the CPU's default)."""
+    modes = {
+        "async": _summary("async", 300.0, 1.0, [1.0]),
+        "sync": _summary("sync", 200.0, 2.0, [2.0]),
+        "colocated": _summary("colocated", 150.0, 3.0, [3.0]),
+    }
+
+    def run(repeat: int, warm: bool, baseline: bool, colocated: str = "mono") -> BenchRun:
+        entry = _run(dataclasses.replace(_point(None, 1, MODES), repeat=repeat), modes, {})
+        assert entry.report is not None
+        deployment = dataclasses.replace(
+            entry.report.deployment,
+            colocated=colocated,
+            warm_pass=warm,
+            baseline_warm_pass=baseline,
+        )
+        return dataclasses.replace(
+            entry, report=dataclasses.replace(entry.report, deployment=deployment)
+        )
+
+    old = run(0, warm=True, baseline=False)
+    assert old.report is not None
+    assert old.report.deployment.baseline_ran_cold
+    old_json = old.report.to_json()
+    del old_json["deployment"]["baseline_warm_pass"]  # as a report of before wrote it
+    assert RunReport.from_json(old_json, "old").deployment.baseline_ran_cold
+
+    def colocated_row(entry: BenchRun) -> list[str]:
+        line = next(x for x in markdown_table([entry]).splitlines() if "| colocated |" in x)
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    assert colocated_row(old)[-3:-1] == ["ran cold", "ran cold"]
+    for warm_one in (run(0, True, True), run(0, False, False), run(0, True, False, "dp-ep")):
+        assert colocated_row(warm_one)[-3:-1] == [f"{150 / 200:.2f}x", f"{3.0 / 2.0:.2f}x"]
+    notes = spread_notes([old, run(1, True, False), run(2, True, True)])
+    assert (
+        "Spread, v2-lite uneven 2A1F all at once, colocated vs sync (1 of 3 repeats verified; "
+        f"2 that ran cold left out): tokens/s {0.75:.2f}x (one repeat: no range), TTFT p99 "
+        "1.50x (one repeat: no range)."
+    ) in notes
+    assert (
+        "Spread, v2-lite uneven 2A1F all at once, colocated vs sync: no verified repeat that "
+        "ran warm."
+    ) in spread_notes([old, run(1, True, False)])
+
+
 def test_repeats_run_each_group_again_and_compare_each_run_with_its_own_sync(
     tmp_path: Path,
 ) -> None:

@@ -145,7 +145,13 @@ def markdown_table(
             if ttft_slo_s is not None:
                 value = m.goodput(ttft_slo_s)
                 good = ["-" if value is None else f"{value:.2f}"]
-            vs_sync = mode != "sync" and sync is not None
+            base = sync if mode != "sync" else None
+            ratios = [
+                _ratio(m.tokens_per_s, base.tokens_per_s if base else None),
+                _ratio(m.ttft_p99, base.ttft_p99 if base else None),
+            ]
+            if _cold(report, mode):
+                ratios = ["ran cold"] * 2
             cells = [
                 *lead,
                 mode_label(p, mode, repeats),
@@ -155,8 +161,7 @@ def markdown_table(
                 *good,
                 split,
                 item,
-                _ratio(m.tokens_per_s, sync.tokens_per_s if vs_sync and sync else None),
-                _ratio(m.ttft_p99, sync.ttft_p99 if vs_sync and sync else None),
+                *ratios,
                 verified(report, mode),
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -178,6 +183,7 @@ def spread_notes(results: Sequence[BenchRun], repeats: int | None = None) -> lis
         return []
     syncs = sync_of(results, verified_only=True)
     ratios: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
+    cold: dict[tuple[Any, ...], int] = {}  # repeats whose baseline ran cold, left out
     for entry in results:
         p, report = entry.point, entry.report
         for mode in p.modes:
@@ -190,16 +196,23 @@ def spread_notes(results: Sequence[BenchRun], repeats: int | None = None) -> lis
             if mode == "sync" or verified(report, mode).startswith("no"):
                 continue
             key = (*p.group, mode_label(p, mode))
+            if _cold(report, mode):
+                cold[key] = cold.get(key, 0) + 1
+                continue
             ratios[key].append((m.tokens_per_s / sync.tokens_per_s, m.ttft_p99 / sync.ttft_p99))
     notes = []
-    for (preset, workload, a, f, share, rate, label), values in ratios.items():
+    for key, values in ratios.items():
+        preset, workload, a, f, share, rate, label = key
         where = (
             f"{preset} {workload} {a}A{f}F{'' if share is None else f', A {share} %'} "
             f"{_rate_label(rate)}, {label} vs sync"
         )
         counted = f"{len(values)} of {planned} repeats verified"
+        if key in cold:
+            counted += f"; {cold[key]} that ran cold left out"
         if not values:
-            notes.append(f"Spread, {where}: no verified repeat.")
+            warm = " that ran warm" if key in cold else ""
+            notes.append(f"Spread, {where}: no verified repeat{warm}.")
             continue
         tokens = sorted(v[0] for v in values)
         p99 = sorted(v[1] for v in values)
@@ -214,6 +227,13 @@ def spread_notes(results: Sequence[BenchRun], repeats: int | None = None) -> lis
             f"Spread, {where} ({counted}): tokens/s {figure(tokens)}, TTFT p99 {figure(p99)}."
         )
     return notes
+
+
+def _cold(report: RunReport, mode: str) -> bool:
+    """Whether ``mode`` of ``report`` is a colocated baseline that ran cold beside warm AFD
+    modes (:attr:`~afd_tools.prefill.run_report.Deployment.baseline_ran_cold`): its ratios
+    are not shown."""
+    return mode == "colocated" and report.deployment.baseline_ran_cold
 
 
 def placement_notes(results: Sequence[BenchRun]) -> list[str]:

@@ -276,11 +276,12 @@ class RunJob:
         values = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(Deployment)
-            if f.name != "device"
+            if f.name not in ("device", "baseline_warm_pass")
         }
         for name in ("dtype", "backend", "transport", "colocated"):
             values[name] = self.resolved(name)
         values["warm_pass"] = self.warms_whole_workload(device)
+        values["baseline_warm_pass"] = values["warm_pass"]  # every colocated launch runs it
         if self.workload_file is not None:
             values["workload_file"] = str(self.workload_file)
         if self.rate is not None:
