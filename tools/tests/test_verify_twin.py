@@ -125,8 +125,9 @@ def checks_of(
 def test_a_correct_deep_bf16_run_over_the_tolerance_passes_against_the_twin(
     reference: MonolithicModel,
 ) -> None:
-    """Without the twin every request fails on its relative error alone (2.3-2.9e-2 here);
-    with it every one passes, each no farther from the twin than twice the reference is,
+    """Without the twin the requests over the tolerance fail on their relative error alone
+    (2.3-2.9e-2 on one VM, all four; 1.8-2.7e-2 on an AMD EPYC one, three of four); with it
+    every one passes, each no farther from the twin than twice the reference is,
     and the reference's own distance from the twin is the drift (above 1e-2)."""
     result = bf16_run()
     plain = checks_of(reference, result, None)
@@ -200,7 +201,11 @@ def test_the_reference_is_released_before_the_twin_is_built(reference: Monolithi
     assert alive == [False]  # built once, after the reference was freed
     assert released == kept
     assert set(released) == {"async", "sync"}
-    assert all(c.twin is not None for mode in released.values() for c in mode.values())
+    # A twin check exactly where a request missed the tolerance (which requests miss
+    # depends on the CPU's bf16 kernels: all four on one VM, three of four on another).
+    checks = [c for mode in released.values() for c in mode.values()]
+    assert any(c.twin is not None for c in checks)
+    assert all((c.twin is not None) == (not c.error <= TOL) for c in checks)
 
 
 def test_the_twin_is_not_built_when_nothing_misses() -> None:
