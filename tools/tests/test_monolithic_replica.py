@@ -67,12 +67,21 @@ def test_the_baseline_prefills_every_request_once_untimed_before_its_timed_pass(
     assert sorted(t for tokens in passes[-timed:] for t in tokens) == every
     untimed = sorted(t for tokens in passes[:-timed] for t in tokens)
     assert untimed == (every if warm_pass else [])
+    if warm_pass:  # arrivals ignored: the second request shares the first step
+        assert passes[0] == [*PROMPTS[0], *PROMPTS[1][:3]]
     counted = 0
     while reader.poll(0.1):
         reader.recv_bytes()
         counted += 1
+    reader.close()
+    writer.close()
     assert counted == len(PROMPTS)  # the warm-up pass finished nothing
     assert sorted(result.done) == sorted(PROMPTS)
+    # The routing of the timed steps only, one record per step of its own token count.
+    assert len(result.routing) == len(result.steps) == timed
+    for routing, step in zip(result.routing, result.steps, strict=True):
+        tokens = sum(end - begin for _, begin, end, _ in step)
+        assert tuple(routing.shape) == (len(CONFIG.moe_layers), tokens, CONFIG.num_experts_per_tok)
     whole = MonolithicModel(CONFIG, RandomWeights(0))
     for request_id, tokens in PROMPTS.items():
         expected = whole.forward([torch.tensor(tokens)], compute_logits=False)

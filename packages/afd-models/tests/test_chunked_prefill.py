@@ -102,10 +102,42 @@ def test_chunks_on_the_cpu_never_import_torch_dynamo() -> None:
         "model.forward([PromptChunk('a', [4, 5], 3, final=True)], cache=cache)\n"
         "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    assert _in_a_fresh_interpreter(code) == "[]"
+
+
+def test_the_gpu_form_of_a_continued_chunks_mask_is_the_cpu_form() -> None:
+    """The branch a GPU model takes (torch's lower-right causal bias, as built on CUDA)
+    gives the CPU branch's output bitwise for continued chunks of several lengths and
+    starts, run on the CPU where the bias is materialised: the two forms state one mask.
+    In a fresh interpreter, as the bias's module imports torch._dynamo."""
+    code = (
+        "import torch\n"
+        "from torch.nn.attention.bias import causal_lower_right\n"
+        "from afd_models import KVCache, MonolithicModel, PromptChunk, RandomWeights, preset\n"
+        "def run(model):\n"
+        "    cache, out = KVCache(), []\n"
+        "    for start, end in ((0, 5), (5, 6), (6, 19), (19, 23)):\n"
+        "        step = [PromptChunk('a', list(range(1, 24))[start:end], start, end == 23)]\n"
+        "        out.append(model.forward(step, cache=cache).last_hidden_states())\n"
+        "    return torch.cat(out)\n"
+        "cpu = MonolithicModel(preset('tiny'), RandomWeights(3))\n"
+        "gpu_form = MonolithicModel(preset('tiny'), RandomWeights(3))\n"
+        "for layer in gpu_form.trunk.layers:\n"
+        "    layer.attention._lower_right = causal_lower_right\n"
+        "a, b = run(cpu), run(gpu_form)\n"
+        "assert torch.isfinite(a).all()\n"
+        "print(torch.equal(a, b))\n"
     )
-    assert out.stdout.strip() == "[]"
+    assert _in_a_fresh_interpreter(code) == "True"
+
+
+def _in_a_fresh_interpreter(code: str) -> str:
+    """What ``code`` prints, run by a new Python (600 s at most: a loaded CI)."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
 
 
 def test_role_split_chunks_equal_the_monolithic_model() -> None:

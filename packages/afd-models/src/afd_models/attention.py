@@ -44,11 +44,12 @@ LowerRightBias = Callable[[int, int], Any]
 
 
 def _lower_right_bias() -> LowerRightBias:
-    """torch's lower-right causal bias, imported when a GPU model is built. Not at this
-    module's import: ``torch.nn.attention.bias`` imports ``torch._dynamo`` and with it
-    Triton, whose bindings (triton 3.9) print leak reports at exit in every process that
-    imports it. Not inside a step either: that import takes seconds, and a timed step that
-    paid it stalled the monolithic baseline on one H200 (``docs/benchmarks.md``)."""
+    """torch's lower-right causal bias, imported when a GPU model is built (so every GPU
+    process that builds the attention imports ``torch._dynamo`` and Triton at start-up,
+    a few seconds, whether or not its prompts are ever cut). Not at this module's import:
+    with it Triton's bindings (triton 3.9) print leak reports at exit in every process,
+    CPU ones included. Not inside a step either: a timed step that paid the import stalled
+    the monolithic baseline on one H200 by seconds (``docs/benchmarks.md``)."""
     from torch.nn.attention.bias import causal_lower_right
 
     return causal_lower_right
@@ -146,6 +147,7 @@ class MLAttention:
         ``[start+len, heads, d]`` at positions ``0..start+len`` (model dtype and device)."""
         # [1, heads, len, d]: with a batch dimension, fused kernels (cuDNN, flash,
         # memory-efficient) apply; 3-D inputs fall back to the unfused math kernel.
+        assert k.shape[0] == start + q.shape[0], "keys end where the queries end"
         q_, k_, v_ = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
         if start == 0:
             out = nnf.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale)

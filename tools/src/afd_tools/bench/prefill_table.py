@@ -209,7 +209,10 @@ def spread_notes(results: Sequence[BenchRun], repeats: int | None = None) -> lis
         )
         counted = f"{len(values)} of {planned} repeats verified"
         if key in cold:
-            counted += f"; {cold[key]} that ran cold left out"
+            counted = (
+                f"{len(values)} of {planned} repeats verified and warm; {cold[key]} verified "
+                "but run cold, left out"
+            )
         if not values:
             warm = " that ran warm" if key in cold else ""
             notes.append(f"Spread, {where}: no verified repeat{warm}.")

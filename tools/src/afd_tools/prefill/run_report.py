@@ -77,15 +77,18 @@ class Deployment:
     warm_pass: bool = False
     """Every request was prefilled once, untimed, before the timed modes."""
     baseline_warm_pass: bool = False
-    """The colocated baseline's processes ran that pass too. False in every report from
-    before 5746507, where the monolithic model's own process (``--colocated mono``) ran
-    cold even with :attr:`warm_pass` (:attr:`baseline_ran_cold`)."""
+    """The colocated baseline's processes ran that pass too. Written since ecd16db (absent,
+    so False, before): until 5746507 the monolithic model's own process (``--colocated
+    mono``) ran cold even with :attr:`warm_pass` (:attr:`baseline_ran_cold`); reports of
+    5746507 to ecd16db, whose baseline was warm, read as cold too (no GPU run was made
+    there)."""
 
     @property
     def baseline_ran_cold(self) -> bool:
         """Whether this run's colocated mode ran cold while its AFD modes ran warm: the
-        monolithic baseline of a report from before 5746507 (on one H200 it stalled 3.3-5.2
-        s after its first step), which is no baseline to compare the AFD modes with."""
+        monolithic baseline of a report without :attr:`baseline_warm_pass` (on one H200 it
+        stalled 3.3-5.2 s after its first step), which is no baseline to compare the AFD
+        modes with."""
         return self.warm_pass and not self.baseline_warm_pass and self.colocated == "mono"
 
     @property

@@ -272,7 +272,8 @@ class RunJob:
     def deployment(self, device: str) -> Deployment:
         """The report's record of this (resolved) job on ``device`` (``cpu`` or ``cuda``):
         each :class:`~afd_tools.prefill.run_report.Deployment` field is this job's field of
-        the same name."""
+        the same name, but ``warm_pass`` and ``baseline_warm_pass``, which record whether
+        the pass ran on ``device``."""
         values = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(Deployment)
