@@ -676,7 +676,8 @@ def _main_job_with_probe(
     )
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAIN_JOB_")}
-    env |= {"PYTHON": str(fake), "OUT": str(tmp_path / "out")} | (extra_env or {})
+    env |= {"PYTHON": str(fake), "OUT": str(tmp_path / "out")}
+    env |= {"MAIN_JOB_WARM_MARKER": str(tmp_path / "warmed")} | (extra_env or {})
     done = subprocess.run(["bash", str(MAIN_JOB), *args], env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     return done, record
@@ -707,6 +708,48 @@ def test_the_full_main_job_warms_up_once_per_sitting_and_resumes(tmp_path: Path)
         assert f"--plots {tmp_path}/out/plots" in call
     assert "--warm-up off" not in calls[0]
     assert all("--warm-up off" in c for c in calls[1:])
+    assert (tmp_path / "warmed").exists()  # this machine has run one
+
+
+@pytest.mark.parametrize(
+    ("setting", "marked", "first_warms"),
+    [("auto", True, False), ("auto", False, True), ("on", True, True), ("off", False, False)],
+)
+def test_a_sitting_on_a_machine_that_warmed_up_skips_the_warm_up_launch(
+    tmp_path: Path, setting: str, marked: bool, first_warms: bool
+) -> None:
+    """The warm-up launch fills a fresh machine's kernel caches: a later sitting on the same
+    machine (the marker an earlier one left) skips it, unless MAIN_JOB_WARM_UP says."""
+    if marked:
+        (tmp_path / "warmed").touch()
+    _, calls, _ = _run_full_main_job(tmp_path, 139, env={"MAIN_JOB_WARM_UP": setting})
+    assert ("--warm-up off" not in calls[0]) is first_warms
+    assert all("--warm-up off" in c for c in calls[1:])
+    assert (tmp_path / "warmed").exists() is (marked or first_warms)
+
+
+def test_a_failed_warm_up_leaves_no_marker_and_a_bad_setting_is_refused(tmp_path: Path) -> None:
+    done, _ = _main_job_with_probe(tmp_path, "1 139", {"MAIN_JOB_WARM_UP": "maybe"})
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "tools/gpu/main-job: MAIN_JOB_WARM_UP=maybe: use auto, on or off"
+    )
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    fake = failing / "python"
+    fake.write_text(
+        '#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then echo "1 139"; exit 0; fi\nexit 1\n'
+    )
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAIN_JOB_")}
+    env |= {"PYTHON": str(fake), "OUT": str(failing / "out")}
+    env |= {"MAIN_JOB_WARM_MARKER": str(failing / "warmed"), "MAIN_JOB_ONLY": "arrivals"}
+    import subprocess
+
+    done = subprocess.run(["bash", str(MAIN_JOB), "--full"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    assert not (failing / "warmed").exists()
 
 
 def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: Path) -> None:
