@@ -4,10 +4,10 @@ that starts no FFN rank, nor one whose GPU memory nvidia-smi cannot tell."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from fake_nvidia_smi import fake_nvidia_smi
 
 from afd_models import preset
 from afd_tools.prefill.workload import WorkloadError
@@ -96,17 +96,10 @@ def test_a_run_that_starts_no_ffn_rank_or_cannot_read_the_memory_is_not_refused(
     check_experts_fit(v3, "bfloat16", spread, AFD)
 
 
-def _fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
-    tool = tmp_path / "nvidia-smi"
-    tool.write_text(f"#!/usr/bin/env bash\n{script}\n")
-    tool.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-
-
 def test_the_memory_is_the_largest_gpu_nvidia_smi_lists(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _fake_nvidia_smi(tmp_path, monkeypatch, 'printf "81559\\n143771\\n"')
+    fake_nvidia_smi(tmp_path, monkeypatch, 'printf "81559\\n143771\\n"')
     assert largest_gpu_memory() == 143_771 << 20
 
 
@@ -116,16 +109,10 @@ def test_the_memory_is_the_largest_gpu_nvidia_smi_lists(
 def test_a_memory_nvidia_smi_cannot_tell_is_unknown(
     script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from afd_tools.run import capacity
+    from afd_tools.run import hardware
 
-    real_run = capacity.subprocess.run
-
-    def quick(*args: object, **kwargs: object) -> object:
-        kwargs["timeout"] = 2  # the hang ends in 2 s here, not the 30 s of afd run
-        return real_run(*args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(capacity.subprocess, "run", quick)
-    _fake_nvidia_smi(tmp_path, monkeypatch, script)
+    monkeypatch.setattr(hardware, "NVIDIA_SMI_TIMEOUT_S", 2.0)  # not afd run's 30 s
+    fake_nvidia_smi(tmp_path, monkeypatch, script)
     assert largest_gpu_memory() is None
 
 

@@ -527,6 +527,7 @@ def test_colocated_mono_runs_every_request_in_one_process_and_verifies(
     assert placement["colocated_label"] == "colocated: monolithic model in one process (DP1, EP1)"
     assert placement["sharing"] == "none"
     assert placement["mps_shares"] == {}
+    assert set(placement["hardware"]) == {"cpu", "cores", "python", "torch"}  # what it ran on
     assert data["args"]["colocated"] == "mono"
 
 
@@ -600,4 +601,14 @@ def test_bench_prefill_says_under_its_table_where_the_ranks_ran() -> None:
         "Placement: cuda (GPUs shared under CUDA MPS: cuda:0 attention rank 0 50 %, ffn rank 0 "
         "50 %); colocated: monolithic model on one GPU (DP1, EP1).",
         "Placement: cpu; colocated: DP2+EP over gloo.",
+    ]
+    # Each distinct hardware record once, after the placement it came with.
+    h200 = {"cpu": "AMD EPYC", "cores": 16, "python": "3.11.9", "torch": "2.11.0+cu130",
+            "cuda": "13.0", "gpus": [{"name": "NVIDIA H200", "memory_mib": 143771,
+                                      "driver": "580.159.04"}]}  # fmt: skip
+    recorded = [_bench_run(one_gpu | {"hardware": h200})] * 2
+    assert placement_notes(recorded) == [
+        placement_notes(results)[0],
+        "Hardware: 1 x NVIDIA H200 (143771 MiB, driver 580.159.04); AMD EPYC (16 cores); "
+        "Python 3.11.9, torch 2.11.0+cu130, CUDA 13.0.",
     ]

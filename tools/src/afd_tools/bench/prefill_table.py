@@ -15,6 +15,7 @@ from afd_tools.bench.prefill_matrix import Point
 from afd_tools.outputs import json_safe
 from afd_tools.prefill.metrics import ModeSummary
 from afd_tools.prefill.run_report import RunReport, role_shares
+from afd_tools.run.hardware import describe_hardware
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ def _cold(report: RunReport, mode: str) -> bool:
 
 def placement_notes(results: Sequence[BenchRun]) -> list[str]:
     """One line per distinct placement of the runs: the device, how the ranks shared GPUs
-    (under CUDA MPS, with each rank's share) and the colocated baseline."""
+    (under CUDA MPS, with each rank's share) and the colocated baseline; and one per
+    distinct hardware they ran on (GPUs, CPU, software), where the report records it."""
     notes: list[str] = []
     for entry in results:
         placement = entry.report.placement if entry.report is not None else {}
@@ -252,6 +254,10 @@ def placement_notes(results: Sequence[BenchRun]) -> list[str]:
         note = f"Placement: {where}; {placement['colocated_label']}."
         if note not in notes:
             notes.append(note)
+        if "hardware" in placement:  # reports since the record was added
+            on = f"Hardware: {describe_hardware(placement['hardware'])}."
+            if on not in notes:
+                notes.append(on)
     return notes
 
 

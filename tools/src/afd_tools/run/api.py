@@ -34,6 +34,7 @@ from afd_tools.prefill.metrics import ModeSummary, ratios, summarize
 from afd_tools.prefill.run_report import RunReport
 from afd_tools.run import ranks
 from afd_tools.run.devices import Placement
+from afd_tools.run.hardware import hardware_record
 from afd_tools.run.job import RunJob
 from afd_tools.run.launches import SPAWN, Outcome, launches
 from afd_tools.run.plan import RunPlan, prepare
@@ -160,14 +161,16 @@ def execute(plan: RunPlan, on_request: Callable[[], None] | None = None) -> RunR
 
 
 def placement_record(placement: Placement, shares: dict[str, int]) -> dict[str, Any]:
-    """The report's ``placement``: every rank's device, the colocated baseline in words, and
-    how the AFD ranks shared GPUs (``mps_shares``: percent by rank name, empty when no GPU
-    was shared under MPS)."""
+    """The report's ``placement``: every rank's device, the colocated baseline in words, how
+    the AFD ranks shared GPUs (``mps_shares``: percent by rank name, empty when no GPU was
+    shared under MPS), and what it all ran on (``hardware``:
+    :func:`~afd_tools.run.hardware.hardware_record`)."""
     return placement.__dict__ | {
         "exchange": placement.exchange,
         "colocated_label": f"colocated: {placement.colocated_label}",
         "sharing": describe_sharing(placement, shares) or "none",
         "mps_shares": dict(shares),
+        "hardware": hardware_record(placement.kind),
     }
 
 

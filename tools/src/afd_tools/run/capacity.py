@@ -14,7 +14,6 @@ daemon started after this check). Where ``nvidia-smi`` cannot say, nothing is re
 
 from __future__ import annotations
 
-import subprocess
 from collections import Counter
 from collections.abc import Iterable
 
@@ -23,6 +22,7 @@ import torch
 from afd_models import DeepseekConfig
 from afd_tools.prefill.workload import WorkloadError
 from afd_tools.run.devices import Placement
+from afd_tools.run.hardware import nvidia_smi
 
 GIB = 1 << 30
 
@@ -41,20 +41,10 @@ def largest_gpu_memory() -> int | None:
     """The total memory of the largest GPU ``nvidia-smi`` lists, in bytes (not mapped to a
     CUDA device: nvidia-smi's order can differ from CUDA's, and the largest keeps the check
     a lower bound on any machine); ``None`` where nvidia-smi cannot say."""
-    try:
-        listed = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    rows = nvidia_smi(("memory.total",))
+    if isinstance(rows, str) or not all(size.isdigit() for (size,) in rows):
         return None
-    sizes = [line.strip() for line in listed.splitlines() if line.strip()]
-    if not sizes or not all(size.isdigit() for size in sizes):
-        return None
-    return max(int(size) for size in sizes) << 20  # MiB
+    return max(int(size) for (size,) in rows) << 20  # MiB
 
 
 def check_experts_fit(
