@@ -111,6 +111,20 @@ def _check_one_gpu_sharing(
     assert placement["colocated_label"] == "colocated: monolithic model on one GPU (DP1, EP1)"
 
 
+def _check_warm_baseline_and_hardware(data: dict[str, object]) -> None:
+    """On a GPU every mode ran warm, the colocated baseline too (5746507: without it the
+    monolithic process stalled seconds after its first step), and the report names the GPUs
+    it ran on, as nvidia-smi lists them."""
+    deployment, placement = data["deployment"], data["placement"]
+    assert isinstance(deployment, dict)
+    assert isinstance(placement, dict)
+    assert deployment["warm_pass"] is True
+    assert deployment["baseline_warm_pass"] is True
+    gpus = placement["hardware"]["gpus"]
+    assert len(gpus) >= GPUS
+    assert all(g["name"] and g["memory_mib"] > 0 and g["driver"] for g in gpus)
+
+
 def _check_step_records(data: dict[str, object]) -> None:
     """One replica: its steps' records (timed by CUDA events) add up to the breakdown --
     the dispatches to its MoE layers, the compute to its compute per layer times those."""
@@ -137,6 +151,7 @@ def test_every_mode_on_gpus_over_host_staging(tmp_path: Path) -> None:
     assert placement["kind"] == "cuda"
     if GPUS < 2:
         _check_one_gpu_sharing(placement, out)
+    _check_warm_baseline_and_hardware(data)
     _no_afd_process_left()
     _nothing_of_mps_left(before)
 
@@ -154,6 +169,7 @@ def test_every_mode_over_nvshmem_and_the_colocated_baseline(tmp_path: Path) -> N
     assert data["verification_failures"] == {}
     assert set(data["verification_worst"]) == {"async", "sync", "colocated"}
     _check_step_records(data)
+    _check_warm_baseline_and_hardware(data)
     args, placement = data["args"], data["placement"]
     assert isinstance(args, dict)
     assert isinstance(placement, dict)
