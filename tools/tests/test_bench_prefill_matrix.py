@@ -662,9 +662,11 @@ def _main_job_with_probe(
     probe: str,
     extra_env: dict[str, str] | None = None,
     args: tuple[str, ...] = ("--full",),
+    exit_code: int = 0,
 ) -> tuple[Any, Path]:
     """``--full`` with a stand-in Python whose GPU probe prints ``probe`` and which records
-    each benchmark's arguments; the environment holds no MAIN_JOB_* setting of the caller."""
+    each benchmark's arguments and exits with ``exit_code``; the environment holds no
+    MAIN_JOB_* setting of the caller."""
     import subprocess
 
     record = tmp_path / "calls.txt"
@@ -673,6 +675,7 @@ def _main_job_with_probe(
         "#!/usr/bin/env bash\n"
         f'if [ "$1" = "-c" ]; then echo "{probe}"; exit 0; fi\n'
         f'echo "$*" >> {record}\n'
+        f"exit {exit_code}\n"
     )
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAIN_JOB_")}
@@ -734,20 +737,9 @@ def test_a_failed_warm_up_leaves_no_marker_and_a_bad_setting_is_refused(tmp_path
     assert done.stderr.strip() == (
         "tools/gpu/main-job: MAIN_JOB_WARM_UP=maybe: use auto, on or off"
     )
-    failing = tmp_path / "failing"
+    failing = tmp_path / "failing"  # every benchmark fails, its warm-up launch too
     failing.mkdir()
-    fake = failing / "python"
-    fake.write_text(
-        '#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then echo "1 139"; exit 0; fi\nexit 1\n'
-    )
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAIN_JOB_")}
-    env |= {"PYTHON": str(fake), "OUT": str(failing / "out")}
-    env |= {"MAIN_JOB_WARM_MARKER": str(failing / "warmed"), "MAIN_JOB_ONLY": "arrivals"}
-    import subprocess
-
-    done = subprocess.run(["bash", str(MAIN_JOB), "--full"], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done, _ = _main_job_with_probe(failing, "1 139", {"MAIN_JOB_ONLY": "arrivals"}, exit_code=1)
     assert done.returncode == 1
     assert not (failing / "warmed").exists()
 

@@ -147,12 +147,14 @@ def markdown_table(
                 value = m.goodput(ttft_slo_s)
                 good = ["-" if value is None else f"{value:.2f}"]
             base = sync if mode != "sync" else None
-            ratios = [
-                _ratio(m.tokens_per_s, base.tokens_per_s if base else None),
-                _ratio(m.ttft_p99, base.ttft_p99 if base else None),
-            ]
-            if _cold(report, mode):
-                ratios = ["ran cold"] * 2
+            ratios = (
+                ["ran cold"] * 2
+                if _cold(report, mode)
+                else [
+                    _ratio(m.tokens_per_s, base.tokens_per_s if base else None),
+                    _ratio(m.ttft_p99, base.ttft_p99 if base else None),
+                ]
+            )
             cells = [
                 *lead,
                 mode_label(p, mode, repeats),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,7 @@ def describe_hardware(record: dict[str, Any]) -> str:
     parts = []
     gpus = record.get("gpus")
     if gpus:
-        seen: dict[str, int] = {}
-        for gpu in gpus:
-            label = f"{gpu['name']} ({gpu['memory_mib']} MiB, driver {gpu['driver']})"
-            seen[label] = seen.get(label, 0) + 1
+        seen = Counter(f"{g['name']} ({g['memory_mib']} MiB, driver {g['driver']})" for g in gpus)
         parts.append(", ".join(f"{count} x {label}" for label, count in seen.items()))
     elif "gpus_unknown" in record:
         parts.append(f"GPUs unknown ({record['gpus_unknown']})")
