@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 from afd_tools.prefill.metrics import percentile
 from afd_tools.prefill.workload import (
     PRESETS,
+    UNASSIGNED,
+    ArrivalPool,
     ChunkQueue,
     Request,
     WorkloadError,
@@ -170,3 +173,100 @@ def test_percentile_is_the_nearest_rank(values, q) -> None:
     import math
 
     assert got == ordered[max(0, math.ceil(q / 100 * len(values)) - 1)]
+
+
+# --assign pull: the shared pool and the refill rule -------------------------------------
+def test_pull_leaves_every_request_unassigned() -> None:
+    pulled = assign([5, 7, 3], [0.5, 0.0, 0.25], 2, "pull", [None, (1,) * 7, None])
+    assert [r.replica for r in pulled] == [UNASSIGNED] * 3
+    assert [(r.request_id, r.prompt_len, r.arrival) for r in pulled] == [
+        (0, 5, 0.5),
+        (1, 7, 0.0),
+        (2, 3, 0.25),
+    ]
+    assert pulled[1].tokens == (1,) * 7
+
+
+def test_a_pool_hands_out_arrived_requests_in_arrival_order_once() -> None:
+    pool = ArrivalPool([Request(0, 4, 2.0), Request(1, 4, 1.0), Request(2, 4, 1.0)])
+    assert pool.next_arrival == 1.0
+    assert not pool.exhausted
+    assert pool.claim(0.5) is None  # nothing has arrived
+    assert [pool.claim(1.0), pool.claim(1.0)] == [Request(1, 4, 1.0), Request(2, 4, 1.0)]
+    assert pool.claim(1.5) is None
+    assert pool.next_arrival == 2.0
+    assert pool.claim(2.0) == Request(0, 4, 2.0)
+    assert pool.exhausted
+    assert pool.next_arrival == math.inf
+    assert pool.claim(9.0) is None
+
+
+def test_refill_claims_only_while_the_next_step_has_room() -> None:
+    # budget 10: a 12-token prompt fills the next step, so nothing more is claimed; once
+    # its first chunk is scheduled, 2 tokens are left and the replica claims again.
+    pool = ArrivalPool([Request(i, n, 0.0) for i, n in enumerate([12, 3, 3, 9])])
+    queue = ChunkQueue([], 10)
+    assert [r.request_id for r in queue.refill(pool, 0.0)] == [0]
+    assert queue.unscheduled == 12
+    assert [(c.request_id, c.end) for c in queue.next_step(0.0)] == [(0, 10)]
+    assert queue.unscheduled == 2
+    assert [r.request_id for r in queue.refill(pool, 0.0)] == [1, 2, 3]  # 2 -> 5 -> 8 -> 17
+    assert queue.unscheduled == 17
+    assert pool.exhausted
+
+
+_pull_requests = st.lists(
+    st.tuples(st.integers(1, 40), st.sampled_from([0.0, 0.5, 1.0, 1.5, 3.0])),
+    min_size=1,
+    max_size=25,
+)
+
+
+@given(
+    _pull_requests,
+    st.integers(1, 32),
+    st.integers(1, 4),
+    st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.25, 0.5, 1.0])), max_size=60),
+)
+def test_the_pull_rule_claims_each_request_once_in_arrival_order_and_only_with_room(
+    drawn: list[tuple[int, float]],
+    budget: int,
+    replicas: int,
+    schedule: list[tuple[int, float]],
+) -> None:
+    """Replicas start steps in the drawn order at non-decreasing times (then drain): each
+    claims at its step start, by the pull rule, and runs the step. Checked against the
+    rule itself: claims in global arrival order, never before the arrival, never while
+    the replica's queued tokens already fill a step, and no arrived request is left
+    unclaimed by a replica that had room; every request is claimed and every prompt token
+    scheduled exactly once."""
+    requests = assign([n for n, _ in drawn], [t for _, t in drawn], replicas, "pull")
+    pool = ArrivalPool(requests)
+    queues = [ChunkQueue([], budget) for _ in range(replicas)]
+    claims: list[Request] = []
+    scheduled: dict[int, list[tuple[int, int]]] = {r.request_id: [] for r in requests}
+    now = 0.0
+    drain = [(r % replicas, math.inf) for r in range(replicas * (sum(n for n, _ in drawn) + 1))]
+    for who, later in [*schedule, *drain]:
+        now += later if later != math.inf else 0.0
+        at = math.inf if later == math.inf else now
+        queue = queues[who % replicas]
+        room_before = queue.unscheduled < budget
+        claimed = queue.refill(pool, at)
+        assert not claimed or room_before  # a full next step claims nothing
+        for i, request in enumerate(claimed):
+            assert request.arrival <= at
+            if i:  # each claim but the first was made with room left
+                assert queue.unscheduled - sum(r.prompt_len for r in claimed[i:]) < budget
+        arrived_left = not pool.exhausted and pool.next_arrival <= at
+        assert queue.unscheduled >= budget or not arrived_left  # claimed all it had room for
+        claims += claimed
+        for chunk in queue.next_step(at):
+            scheduled[chunk.request_id].append((chunk.begin, chunk.end))
+    assert claims == sorted(requests, key=lambda r: (r.arrival, r.request_id))
+    assert pool.exhausted
+    assert all(q.empty and q.unscheduled == 0 for q in queues)
+    for request in requests:  # every token once, in order
+        pieces = scheduled[request.request_id]
+        assert [b for b, _ in pieces] == [0, *(e for _, e in pieces[:-1])]
+        assert pieces[-1][1] == request.prompt_len

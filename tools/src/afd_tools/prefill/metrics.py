@@ -172,6 +172,31 @@ def _covered(spans: Sequence[tuple[float, float]]) -> float:
     return total
 
 
+def served_by(
+    mode: str, requests: Sequence[Request], replica_results: Sequence[ReplicaTimes]
+) -> list[int]:
+    """Per request of ``requests`` (in their order), the index in ``replica_results`` of the
+    replica that finished its prefill in ``mode``: the assignment the mode made (under
+    ``--assign pull``, the replicas' claims). A :class:`RuntimeError` names the requests
+    that no replica finished or that two did (each must be prefilled exactly once)."""
+    owner: dict[int, int] = {}
+    twice: list[str] = []
+    for index, result in enumerate(replica_results):
+        for request_id in result.done:
+            if request_id in owner:
+                twice.append(f"{request_id} (replicas {owner[request_id]} and {index})")
+            owner.setdefault(request_id, index)
+    if twice:
+        raise RuntimeError(
+            f"mode {mode}: requests {', '.join(twice[:10])} were prefilled twice; each must "
+            "be prefilled by exactly one replica"
+        )
+    missing = [r.request_id for r in requests if r.request_id not in owner]
+    if missing:
+        raise RuntimeError(f"mode {mode}: requests {missing[:10]} never completed")
+    return [owner[r.request_id] for r in requests]
+
+
 def summarize(
     mode: str,
     requests: Sequence[Request],
@@ -179,13 +204,12 @@ def summarize(
     ffn_intervals: Sequence[Sequence[tuple[float, ...]]],
 ) -> ModeSummary:
     """Summarise one mode from every replica's record and the FFN intervals
-    (``(taken, replied, replica, layer, expert seconds)`` per work item)."""
+    (``(taken, replied, replica, layer, expert seconds)`` per work item); every request
+    must be prefilled exactly once (:func:`served_by`)."""
+    served_by(mode, requests, replica_results)
     done: dict[int, float] = {}
     for result in replica_results:
         done.update(result.done)
-    missing = [r.request_id for r in requests if r.request_id not in done]
-    if missing:
-        raise RuntimeError(f"mode {mode}: requests {missing[:10]} never completed")
     ttft = [done[r.request_id] - r.arrival for r in requests]
     makespan = max(done.values())
     origin = min(result.origin for result in replica_results)

@@ -12,12 +12,19 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 PRESETS = ("uniform", "uneven", "bimodal")
-ASSIGNMENTS = ("round-robin", "least-tokens")
+ASSIGNMENTS = ("round-robin", "least-tokens", "pull")
+PULL = "pull"
+"""The completion-aware policy: no replica is chosen before the run; every replica claims
+arrived requests from one shared pool at the start of each of its steps
+(:meth:`ChunkQueue.refill`)."""
+UNASSIGNED = -1
+"""``Request.replica`` of a request no replica was given before the run (``pull``)."""
 
 
 class WorkloadError(ValueError):
@@ -32,7 +39,9 @@ class Request:
     prompt_len: int
     arrival: float
     """Seconds after the start of the run at which the request arrives."""
-    replica: int = -1
+    replica: int = UNASSIGNED
+    """The replica given the request before the run; :data:`UNASSIGNED` under ``pull``,
+    where the replica that claims it while the run lasts serves it."""
     tokens: tuple[int, ...] | None = None
     """The prompt's token ids when the workload gave them (else drawn from the seed)."""
 
@@ -154,21 +163,104 @@ def assign(
     """Requests with replicas chosen in arrival order by ``round-robin`` or ``least-tokens``
     (the replica given the fewest prompt tokens so far: all at once the least loaded; under
     arrivals a static balance, blind to completions); ``tokens[i]`` are request ``i``'s
-    token ids when the workload gave them."""
+    token ids when the workload gave them. Under ``pull`` every request is left
+    :data:`UNASSIGNED`: the replicas claim them from a shared pool while they run
+    (:class:`ArrivalPool`, :meth:`ChunkQueue.refill`)."""
     if policy not in ASSIGNMENTS:
         raise WorkloadError(f"unknown assignment {policy!r}; choose one of {list(ASSIGNMENTS)}")
     load = [0] * replicas
     out = []
     order = sorted(range(len(lengths)), key=lambda i: (arrivals[i], i))
     for position, i in enumerate(order):
-        if policy == "round-robin":
+        if policy == PULL:
+            replica = UNASSIGNED
+        elif policy == "round-robin":
             replica = position % replicas
         else:
             replica = min(range(replicas), key=lambda r: (load[r], r))
-        load[replica] += lengths[i]
+            load[replica] += lengths[i]
         given = tokens[i] if tokens is not None else None
         out.append(Request(i, lengths[i], arrivals[i], replica, given))
     return sorted(out, key=lambda r: r.request_id)
+
+
+def arrival_order(requests: Sequence[Request]) -> list[Request]:
+    """``requests`` in the order they arrive (ties by request id): the order replicas take
+    them in, from their own queue or from a shared pool."""
+    return sorted(requests, key=lambda r: (r.arrival, r.request_id))
+
+
+class RequestPool(Protocol):
+    """Requests not yet claimed by any replica, handed out first come, first served."""
+
+    def claim(self, now: float) -> Request | None:
+        """Remove and return the earliest request arrived by ``now`` (seconds after the
+        start), or ``None`` when none has arrived or none is left."""
+        ...
+
+    @property
+    def next_arrival(self) -> float:
+        """When the earliest unclaimed request arrives (``math.inf``: none is left)."""
+        ...
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether every request was claimed."""
+        ...
+
+
+class Cursor(Protocol):
+    """The index of the next unclaimed request in an arrival-ordered list, as its claimants
+    share it (:class:`LocalCursor` in one process; ``afd run`` shares one across its
+    replica processes: :class:`afd_tools.run.pull.SharedCursor`)."""
+
+    def take(self, ready: Callable[[int], bool]) -> int | None:
+        """Atomically: the current index if ``ready(index)``, the cursor moved past it;
+        else ``None`` and the cursor unmoved."""
+        ...
+
+    def peek(self) -> int:
+        """The current index (it may move as soon as it is read)."""
+        ...
+
+
+class LocalCursor:
+    """A :class:`Cursor` of one process (the simulator's, the tests')."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def take(self, ready: Callable[[int], bool]) -> int | None:
+        if not ready(self.index):
+            return None
+        self.index += 1
+        return self.index - 1
+
+    def peek(self) -> int:
+        return self.index
+
+
+class ArrivalPool:
+    """A :class:`RequestPool` over ``requests`` in arrival order, whose claims advance
+    ``cursor`` (default: a :class:`LocalCursor`; replicas in other processes share one)."""
+
+    def __init__(self, requests: Sequence[Request], cursor: Cursor | None = None) -> None:
+        self.requests = tuple(arrival_order(requests))
+        self.cursor: Cursor = cursor if cursor is not None else LocalCursor()
+
+    def claim(self, now: float) -> Request | None:
+        ordered = self.requests
+        index = self.cursor.take(lambda i: i < len(ordered) and ordered[i].arrival <= now)
+        return None if index is None else ordered[index]
+
+    @property
+    def next_arrival(self) -> float:
+        index = self.cursor.peek()
+        return self.requests[index].arrival if index < len(self.requests) else math.inf
+
+    @property
+    def exhausted(self) -> bool:
+        return self.cursor.peek() >= len(self.requests)
 
 
 @dataclass(frozen=True)
@@ -201,12 +293,36 @@ class ChunkQueue:
         if budget < 1:
             raise WorkloadError(f"--max-num-batched-tokens must be >= 1, got {budget}")
         self.budget = budget
-        ordered = sorted(requests, key=lambda r: (r.arrival, r.request_id))
-        self._pending = [_Progress(request) for request in ordered]
+        self._pending = [_Progress(request) for request in arrival_order(requests)]
+        self._unscheduled = sum(r.prompt_len for r in requests)
 
     @property
     def empty(self) -> bool:
         return not self._pending
+
+    @property
+    def unscheduled(self) -> int:
+        """Prompt tokens queued here and not yet in a step."""
+        return self._unscheduled
+
+    def add(self, request: Request) -> None:
+        """Queue ``request`` after the others (a claimed request: it has arrived, and no
+        earlier-arriving request is left to claim)."""
+        self._pending.append(_Progress(request))
+        self._unscheduled += request.prompt_len
+
+    def refill(self, pool: RequestPool, now: float) -> list[Request]:
+        """The pull rule, at the start of a step: claim arrived requests from ``pool``, in
+        arrival order, while the tokens queued here and not yet scheduled are fewer than
+        the budget (so the next step has room for them); the requests claimed."""
+        claimed = []
+        while self._unscheduled < self.budget:
+            request = pool.claim(now)
+            if request is None:
+                break
+            self.add(request)
+            claimed.append(request)
+        return claimed
 
     @property
     def next_arrival(self) -> float:
@@ -225,5 +341,6 @@ class ChunkQueue:
             chunks.append(Chunk(request.request_id, entry.done, end, end == request.prompt_len))
             entry.done = end
             used += take
+        self._unscheduled -= used
         self._pending = [e for e in self._pending if e.done < e.request.prompt_len]
         return chunks
