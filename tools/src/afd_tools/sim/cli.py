@@ -345,6 +345,8 @@ def run_sim(args: argparse.Namespace) -> int:
             "modes": {m: s.as_dict() for m, s in summaries.items()},
             "ratios": ratios(summaries),
             "requests": [r.__dict__ for r in requests],
+            # per mode, each request's replica (in request order): the mode's assignment
+            "served_by": {m: [r.replica for r in run.requests] for m, (run, _) in results.items()},
         }
         write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
         print(f"wrote {args.json}")

@@ -4,10 +4,13 @@ They mirror the programs of :mod:`afd_tools.run.replica` and the layer-by-stage 
 :mod:`afd_models.schedule`, with costs from :class:`~afd_tools.sim.costs.CostModel`:
 
 * ``async`` -- each attention replica batches its own requests first come, first served
-  (:class:`afd_tools.prefill.workload.ChunkQueue`), cuts the batch into ``stages`` token
-  ranges, and per layer and stage: finishes the stage's previous MoE (waits for the reply,
-  combines), computes attention, dispatches. FFN ranks serve whatever item is ready,
-  rotating the replica they look at first, so none starves;
+  (:class:`afd_tools.prefill.workload.ChunkQueue`; under ``--assign pull`` it claims them
+  from one pool shared by the replicas at the start of each step, in engine order at a
+  tie: :meth:`~afd_tools.prefill.workload.ChunkQueue.refill`; in every mode), cuts the
+  batch into ``stages`` token ranges, and per layer and stage: finishes the stage's
+  previous MoE (waits for the reply, combines), computes attention, dispatches. FFN ranks
+  serve whatever item is ready, rotating the replica they look at first, so none
+  starves;
 * ``sync`` -- the same, one stage, with the lockstep of ``afd run --mode sync``: every
   step starts with an exchange of batch sizes (a replica without work joins with a
   one-token dummy batch) and every MoE dispatch waits for all replicas;
@@ -29,8 +32,8 @@ from dataclasses import dataclass, field
 
 from afd_models import stage_count
 from afd_tools.prefill.layer_times import LayerTimes
-from afd_tools.prefill.metrics import ReplicaTimes
-from afd_tools.prefill.workload import Chunk, ChunkQueue, Request
+from afd_tools.prefill.metrics import ReplicaTimes, served_by
+from afd_tools.prefill.workload import ArrivalPool, Chunk, ChunkQueue, Request, RequestPool
 from afd_tools.sim.costs import CostModel, experts_touched
 from afd_tools.sim.engine import COMPUTE, DELAY, WAIT, Engine, Part, Process, Signal
 
@@ -125,7 +128,8 @@ class ModeRun:
     ffn: FFNFeatures
     """Per FFN rank (the representative server): items, attention tokens served, rows."""
     requests: list[Request]
-    """The requests as the mode assigned them (colocated dp-ep re-assigns over A+F)."""
+    """The requests as the mode assigned them (colocated dp-ep re-assigns over A+F; under
+    ``pull``, the replica that claimed each)."""
 
 
 class _Item:
@@ -212,8 +216,18 @@ def stage_split(
 class Simulation:
     """One mode of one deployment on one workload (see the module docstring)."""
 
-    def __init__(self, mode: str, setup: Setup, costs: CostModel, requests: Sequence[Request]):
+    def __init__(
+        self,
+        mode: str,
+        setup: Setup,
+        costs: CostModel,
+        requests: Sequence[Request],
+        pull: bool = False,
+    ):
+        """``requests`` as assigned over the mode's replicas, or with ``pull`` claimed from
+        one shared pool while the mode runs (their ``replica`` ignored)."""
         self.mode = mode
+        self.pool: RequestPool | None = ArrivalPool(requests) if pull else None
         self.setup = setup
         self.costs = costs
         cal = costs.cal
@@ -243,8 +257,14 @@ class Simulation:
 
     def run(self) -> ModeRun:
         by_replica: list[list[Request]] = [[] for _ in range(self.world)]
-        for q in self.requests:
-            by_replica[q.replica].append(q)
+        if self.pool is None:
+            for q in self.requests:
+                if not 0 <= q.replica < self.world:
+                    raise ValueError(
+                        f"request {q.request_id} is assigned to replica {q.replica}, not one "
+                        f"of the mode's {self.world} (a pull workload needs pull=True)"
+                    )
+                by_replica[q.replica].append(q)
         lockstep = self.mode == "sync" or (
             self.mode == "colocated" and self.setup.colocated == "dp-ep"
         )
@@ -263,18 +283,28 @@ class Simulation:
             )
         else:
             intervals = [self.intervals] * ffn_ranks  # identical ranks, one shared list
-        return ModeRun(self.mode, self.records, intervals, self.ffn, self.requests)
+        requests = self.requests
+        if self.pool is not None:  # the assignment the claims made
+            served = served_by(self.mode, requests, self.records)
+            requests = [
+                dataclasses.replace(q, replica=r) for q, r in zip(requests, served, strict=True)
+            ]
+        return ModeRun(self.mode, self.records, intervals, self.ffn, requests)
 
     # attention replicas --------------------------------------------------------------
     def _replica(self, r: int, requests: list[Request], lockstep: bool) -> Process:
         rec = self.records[r]
         engine = self.engine
         queue = ChunkQueue(requests, self.setup.budget)
+        pool = self.pool
         stages = self.setup.stages if self.mode == "async" else 1
         while True:
             now = engine.now
+            if pool is not None:
+                queue.refill(pool, now)
+            finished = queue.empty and (pool is None or pool.exhausted)
             if lockstep:
-                done = queue.empty
+                done = finished
                 chunks = [] if done else queue.next_step(now)
                 size = -1 if done else sum(c.end - c.begin for c in chunks)
                 sizes = yield (WAIT, self._barrier.arrive(r, size))
@@ -283,13 +313,14 @@ class Simulation:
                     return
                 padded = max(1, *sizes)
                 real = sum(max(0, s) for s in sizes)
-            elif queue.empty:
+            elif finished:
                 return
             else:
                 chunks = queue.next_step(now)
                 padded = real = 0
-                if not chunks:
-                    yield (DELAY, queue.next_arrival - now)
+                if not chunks:  # idle until the next arrival, here or in the pool
+                    wake = queue.next_arrival if pool is None else pool.next_arrival
+                    yield (DELAY, wake - now)
                     continue
             start = engine.now
             before = dataclasses.replace(rec.totals)

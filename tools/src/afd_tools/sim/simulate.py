@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from afd_models import DeepseekConfig
 from afd_tools.prefill.metrics import ModeSummary, percentile, summarize
-from afd_tools.prefill.workload import Request, assign
+from afd_tools.prefill.workload import PULL, Request, assign
 from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire, share_scale
 from afd_tools.sim.modes import COLOCATED, MODES, ModeRun, Setup, Simulation
 
@@ -98,22 +98,28 @@ def deployment(
 
 
 def simulate_mode(
-    dep: Deployment, mode: str, requests: Sequence[Request], policy: str = "round-robin"
+    dep: Deployment, mode: str, requests: Sequence[Request], policy: str | None = "round-robin"
 ) -> ModeRun:
     """One mode; ``requests`` assigned over the A replicas (colocated dp-ep re-assigns
-    them over A+F by the same policy, as ``afd run`` does)."""
+    them over A+F by the same policy, as ``afd run`` does). Under ``pull`` the mode's
+    replicas (A+F in dp-ep) claim them from one shared pool as they run; with ``policy``
+    ``None`` the requests are already assigned over the mode's own replicas (a measured
+    run's assignment in that mode, :meth:`MeasuredRun.mode_requests
+    <afd_tools.sim.measured.MeasuredRun.mode_requests>`) and are simulated as they are."""
     if mode not in MODES:
         raise SimError(f"unknown mode {mode!r}; choose from {list(MODES)}")
     s = dep.setup
-    if mode == "colocated" and s.colocated == "dp-ep":
+    pull = policy == PULL
+    if mode == "colocated" and s.colocated == "dp-ep" and policy is not None and not pull:
         requests = reassign(requests, s.attention_ranks + s.ffn_ranks, policy)
-    return Simulation(mode, s, dep.costs(shares=mode != "colocated"), requests).run()
+    costs = dep.costs(shares=mode != "colocated")
+    return Simulation(mode, s, costs, requests, pull).run()
 
 
 def reassign(
     requests: Sequence[Request], replicas: int, policy: str = "round-robin"
 ) -> list[Request]:
-    """The same requests assigned over ``replicas``."""
+    """The same requests assigned over ``replicas`` (under ``pull``: left unassigned)."""
     return assign([r.prompt_len for r in requests], [r.arrival for r in requests], replicas, policy)
 
 
