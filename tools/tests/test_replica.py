@@ -21,6 +21,7 @@ from afd_tools.run.breakdown import Clock, TimedEndpoint
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
 from afd_tools.run.forwarding import DispatchCall, ForwardingEndpoint
 from afd_tools.run.lockstep import LockstepEndpoint
+from afd_tools.run.pull import Pulling
 from afd_tools.run.replica import (
     AsyncMode,
     ChunkLoop,
@@ -144,6 +145,45 @@ def test_a_free_running_loop_ends_when_its_queue_is_empty_and_waits_for_arrivals
     assert result.wait_s == pytest.approx(2 * 0.004)
     assert result.last_hidden[1].item() == 101.0
     assert _finished(reader) == 2
+
+
+def test_a_pulling_loop_claims_at_each_step_start_and_sleeps_until_the_pool_s_next_arrival() -> (
+    None
+):
+    """Under pull the loop ignores its own requests (its warm-up share) and claims from the
+    pool: at 0 the two arrived requests (3 + 4 tokens, the second claimed with 3 < 4 queued),
+    a step of 4 and then the rest; idle, it sleeps until the third arrives at 0.15."""
+    pool_requests = [Request(0, 3, 0.0), Request(1, 4, 0.0), Request(2, 2, 0.15)]
+    loop, reader = _loop([Request(9, 5, 0.0)], max_tokens=4)
+    loop.prompts.update({r.request_id: torch.arange(r.prompt_len) + 100 * r.request_id
+                         for r in pool_requests})  # fmt: skip
+    pool = Pulling.over(pool_requests, ["async"]).pool("async")
+    result = loop.run(FakeStep(loop.log), pool=pool)
+    assert result.steps == [
+        [(0, 0, 3, True), (1, 0, 1, False)],
+        [(1, 1, 4, True)],
+        [(2, 0, 2, True)],
+    ]
+    assert result.batches[2][0] >= 0.15  # not before its arrival
+    assert sorted(result.done) == [0, 1, 2]  # never its own request 9
+    assert pool.exhausted
+    assert _finished(reader) == 3
+
+
+def test_a_lockstepped_pulling_loop_is_done_only_once_the_pool_is_empty() -> None:
+    """Stepping together with the pool not yet exhausted (its request arrives at 0.1), the
+    replica joins with dummy batches (size 0) rather than saying -1; it claims the request
+    once it arrives and says -1 only after it is prefilled."""
+    loop, _ = _loop([], max_tokens=4)
+    loop.prompts[0] = torch.arange(2)
+    pool = Pulling.over([Request(0, 2, 0.1)], ["sync"]).pool("sync")
+    sizes = ScriptedSizes([0] * 200 + [-1] * 3, seconds=0.005)
+    result = loop.run(FakeStep(loop.log), sizes, pool=pool)
+    real = [size for size in sizes.sent if size > 0]
+    assert real == [2]
+    assert sizes.sent[: sizes.sent.index(2)] == [0] * sizes.sent.index(2)  # waiting, not done
+    assert all(size == -1 for size in sizes.sent[sizes.sent.index(2) + 1 :])
+    assert result.steps == [[(0, 0, 2, True)]]
 
 
 @pytest.mark.parametrize("lockstepped", [False, True])
@@ -272,6 +312,7 @@ def _setup(barrier_s: float = 0.0, combine_wait_s: float = 0.0, **more: Any) -> 
         "num_stages": 2,
         "min_stage_tokens": 0,
         "expert_parallel": None,
+        "pulling": None,
     }
     return SimpleNamespace(**(fields | more))
 
@@ -337,10 +378,12 @@ class RecordingLoop:
     def __init__(self) -> None:
         self.sizes: list[Any] = []
         self.exchanges: list[bool] = []
+        self.pools: list[Any] = []
 
-    def run(self, step: Any, sizes: Any = None, exchanges: bool = False) -> Any:
+    def run(self, step: Any, sizes: Any = None, exchanges: bool = False, pool: Any = None) -> Any:
         self.sizes.append(sizes)
         self.exchanges.append(exchanges)
+        self.pools.append(pool)
         return SimpleNamespace(layer_times={})
 
 
@@ -355,9 +398,23 @@ def test_a_mode_starts_with_every_replica_and_steps_together_only_when_lockstepp
     assert lockstep.barriers == [f"start of mode {mode.name}"]
     assert setup.loop.sizes == [lockstep if mode.lockstepped else None]
     assert setup.loop.exchanges == [True]  # both modes exchange: every step records it
+    assert setup.loop.pools == [None]  # its own requests, no pool
     assert result.exchange_includes_shared  # the fake model's shared experts are on the FFN
     assert setup.timed.totals.layers == 0
     assert result.layer_times == {}
+
+
+def test_under_pull_a_mode_claims_from_its_own_pool() -> None:
+    requests = [Request(0, 5, 0.0), Request(1, 3, 0.0)]
+    pulling = Pulling.over(requests, ["async", "sync"])
+    setup = _setup(loop=RecordingLoop(), lockstep=SlowBarrier(0.0), run_timeout=7.0)
+    setup.pulling = pulling
+    for mode in (AsyncMode, SyncMode):
+        mode(setup).run()
+    first, second = setup.loop.pools
+    assert first.cursor is pulling.cursors["async"]
+    assert second.cursor is pulling.cursors["sync"]
+    assert first.requests == second.requests == tuple(requests)
 
 
 def test_warm_up_runs_the_small_batch_and_on_a_gpu_the_largest_step_of_real_prompts() -> None:

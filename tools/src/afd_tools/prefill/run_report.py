@@ -110,6 +110,8 @@ class RunReport:
 
     deployment: Deployment
     requests: tuple[Request, ...]
+    """Every request, in request-id order, with the replica it was given before the run
+    (``-1`` under ``--assign pull``: :data:`~afd_tools.prefill.workload.UNASSIGNED`)."""
     modes: dict[str, ModeSummary]
     """Each mode's summary, in the order the modes ran."""
     ratios: dict[str, float] = field(default_factory=dict)
@@ -120,6 +122,11 @@ class RunReport:
     written at the top level of the report under its own name."""
     args: dict[str, str] = field(default_factory=dict)
     """Every ``afd run`` option as a string, for a person reading the file."""
+    served_by: dict[str, list[int]] = field(default_factory=dict)
+    """Per mode, the replica that prefilled each request of :attr:`requests` (in their
+    order): the assignment the mode made, which under ``--assign pull`` differs from mode
+    to mode, and in colocated dp-ep counts A+F ranks. Empty in reports written before it
+    was recorded."""
 
     def __post_init__(self) -> None:
         for mode, summary in self.modes.items():
@@ -128,6 +135,9 @@ class RunReport:
         for key in self.verification:
             if not key.startswith(VERIFICATION_PREFIX):
                 raise ValueError(f"verification field {key!r} lacks {VERIFICATION_PREFIX!r}")
+        problem = _served_problem(self.served_by, self.modes, len(self.requests))
+        if problem is not None:
+            raise ValueError(f"{problem[0]} {problem[1]}")
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON data (pass it through ``json_safe`` before writing: a float
@@ -140,6 +150,7 @@ class RunReport:
             "modes": {m: s.to_json() for m, s in self.modes.items()},
             "ratios": dict(self.ratios),
             "requests": [_request_json(r) for r in self.requests],
+            **({"served_by": dict(self.served_by)} if self.served_by else {}),
             **self.verification,
         }
 
@@ -166,6 +177,10 @@ class RunReport:
             if s.mode != m:
                 raise field_error(where, f"modes.{m}.mode", f"is {s.mode!r}, not {m!r}")
         requests = check_value(obj["requests"], list[Any], where, "requests")
+        served = check_value(obj.get("served_by", {}), dict[str, list[int]], where, "served_by")
+        problem = _served_problem(served, modes, len(requests))
+        if problem is not None:
+            raise field_error(where, *problem)
         return cls(
             deployment=Deployment.from_json(obj["deployment"], where),
             requests=tuple(
@@ -173,11 +188,25 @@ class RunReport:
                 for i, r in enumerate(requests)
             ),
             modes=modes,
+            served_by=served,
             ratios=check_value(obj.get("ratios", {}), dict[str, float], where, "ratios"),
             placement=check_value(obj.get("placement", {}), dict[str, Any], where, "placement"),
             verification={k: v for k, v in obj.items() if k.startswith(VERIFICATION_PREFIX)},
             args=check_value(obj.get("args", {}), dict[str, str], where, "args"),
         )
+
+
+def _served_problem(
+    served: dict[str, list[int]], modes: dict[str, ModeSummary], requests: int
+) -> tuple[str, str] | None:
+    """The field of a report's ``served_by`` that is wrong and why, or None."""
+    for mode, replicas in served.items():
+        name = f"served_by.{mode}"
+        if mode not in modes:
+            return name, f"names no mode of the report ({', '.join(modes)})"
+        if len(replicas) != requests or any(r < 0 for r in replicas):
+            return name, f"must give a replica (>= 0) for each of the {requests} requests"
+    return None
 
 
 def role_shares(mps_shares: dict[str, int]) -> dict[str, int] | None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from afd_models import MonolithicModel, RoundedWeights
-from afd_tools.prefill.metrics import ModeSummary, ratios, summarize
+from afd_tools.prefill.metrics import ModeSummary, ratios, served_by, summarize
 from afd_tools.prefill.run_report import RunReport
 from afd_tools.run import ranks
 from afd_tools.run.devices import Placement
@@ -140,6 +140,7 @@ def execute(plan: RunPlan, on_request: Callable[[], None] | None = None) -> RunR
             outcome = build(progress).run(job.run_timeout)
             phases.add_launch(launched, outcome, time.monotonic())
             outcomes.append(outcome)
+    served = _served(outcomes)  # first: every request prefilled exactly once in every mode
     checked = time.monotonic()
     verdict = Verdict(_verify(plan, outcomes), job.tolerance, job.margin)
     phases.verification_s = time.monotonic() - checked
@@ -152,12 +153,24 @@ def execute(plan: RunPlan, on_request: Callable[[], None] | None = None) -> RunR
         deployment=job.deployment(plan.placement.kind),
         requests=tuple(plan.requests),
         modes=summaries,
+        served_by={m: served[m] for m in plan.modes},
         ratios=ratios(summaries),
         placement=placement_record(plan.placement, plan.shares),
         verification=verdict.as_json(),
         args=job.as_args(),
     )
     return RunResult(report, verdict, outcomes, phases)
+
+
+def _served(outcomes: list[Outcome]) -> dict[str, list[int]]:
+    """Per mode, the replica that prefilled each request, in request order
+    (:func:`~afd_tools.prefill.metrics.served_by`: a :class:`RuntimeError` where a request
+    was prefilled twice or never)."""
+    return {
+        mode: served_by(mode, group_requests, [v[mode] for v in values])
+        for group_modes, group_requests, values, _ in outcomes
+        for mode in group_modes
+    }
 
 
 def placement_record(placement: Placement, shares: dict[str, int]) -> dict[str, Any]:

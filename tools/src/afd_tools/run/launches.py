@@ -19,12 +19,13 @@ from typing import Any
 
 from afd_protocol import Role, SharedPlacement, SlotLayout, Topology, TransportFactory
 from afd_protocol.launch import GPU_START_METHOD, RankSpec, launch
-from afd_tools.prefill.workload import Request, assign
+from afd_tools.prefill.workload import PULL, Request, assign
 from afd_tools.run import ranks
 from afd_tools.run.expert_parallel import expert_parallel_connection
 from afd_tools.run.lockstep import pipes as lockstep_pipes
 from afd_tools.run.monolithic import monolithic_connection, monolithic_replica
 from afd_tools.run.plan import RunPlan
+from afd_tools.run.pull import Pulling, warm_shares
 from afd_tools.run.sharing import mps_clients
 
 SPAWN = mp.get_context("spawn")
@@ -113,17 +114,31 @@ def _launch(
     )
 
 
+def _handed_out(
+    plan: RunPlan, requests: list[Request], replicas: int, modes: list[str]
+) -> tuple[list[Request], Pulling | None]:
+    """What a launch's ``replicas`` are given before the run: ``requests`` as assigned,
+    with no pool; under ``--assign pull``, each replica's warm-up share
+    (:func:`~afd_tools.run.pull.warm_shares`) and the pools its ``modes`` claim from."""
+    if plan.job.assign != PULL:
+        return requests, None
+    return warm_shares(requests, replicas), Pulling.over(requests, modes)
+
+
 def _replica_spec(
     plan: RunPlan,
     rank: int,
-    requests: list[Request],
+    given: tuple[list[Request], Pulling | None],
     modes: list[str],
     device: str,
     lockstep: tuple[list[Connection], list[Connection]],
     progress: Connection,
 ) -> RankSpec:
+    """Attention replica (or DP+EP rank) ``rank`` of a launch, given its share of
+    :func:`_handed_out`."""
     job = plan.job
     inboxes, outboxes = lockstep
+    requests, pulling = given
     return RankSpec(
         Role.ATTENTION,
         rank,
@@ -143,6 +158,7 @@ def _replica_spec(
             "min_stage_tokens": job.min_stage_tokens,
             "warm_pass": job.warms_whole_workload(device),
             "progress": progress,
+            "pulling": pulling,
         },
     )
 
@@ -155,8 +171,9 @@ def _afd_launch(plan: RunPlan, progress: Connection) -> Launch:
     modes = plan.afd_modes
     # Pipes only (no semaphore, no shared-memory name): nothing outlives a crash.
     lockstep = lockstep_pipes(SPAWN, job.attention_ranks)
+    given = _handed_out(plan, plan.requests, job.attention_ranks, modes)
     specs = [
-        _replica_spec(plan, r, plan.requests, modes, placement.attention[r], lockstep, progress)
+        _replica_spec(plan, r, given, modes, placement.attention[r], lockstep, progress)
         for r in range(job.attention_ranks)
     ]
     specs += [
@@ -213,8 +230,9 @@ def _colocated_launch(plan: RunPlan, progress: Connection) -> Launch:
         exchange=placement.exchange,
     )
     lockstep = lockstep_pipes(SPAWN, world)
+    given = _handed_out(plan, requests, world, ["colocated"])
     specs = [
-        _replica_spec(plan, r, requests, ["colocated"], placement.colocated[r], lockstep, progress)
+        _replica_spec(plan, r, given, ["colocated"], placement.colocated[r], lockstep, progress)
         for r in range(world)
     ]
     return Launch(
@@ -232,9 +250,11 @@ def _colocated_launch(plan: RunPlan, progress: Connection) -> Launch:
 def _monolithic_launch(plan: RunPlan, progress: Connection) -> Launch:
     """``--colocated mono``: the monolithic model in one process on the first attention
     replica's device, every request with the same arrivals, first come first served
-    (:mod:`afd_tools.run.monolithic`); not an MPS client, so it has the whole GPU."""
+    (:mod:`afd_tools.run.monolithic`; whatever ``--assign`` says, the one replica gets
+    every request: under pull it would claim them all, in the same order); not an MPS
+    client, so it has the whole GPU."""
     job, config = plan.job, plan.config
-    requests = assign(plan.lengths, plan.arrivals, 1, job.assign, plan.tokens)
+    requests = assign(plan.lengths, plan.arrivals, 1, "round-robin", plan.tokens)
     slot = SlotLayout(
         Topology(1, 1, config.n_routed_experts),
         config.hidden_size,

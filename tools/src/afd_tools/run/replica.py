@@ -17,7 +17,9 @@ with :class:`afd_models.MonolithicModel`). The pieces:
   together.
 * :class:`ChunkLoop` -- the first-come-first-served loop over a
   :class:`~afd_tools.prefill.workload.ChunkQueue` that every mode runs (and the monolithic
-  baseline, :mod:`afd_tools.run.monolithic`), collecting a :class:`ModeResult`. Modes that
+  baseline, :mod:`afd_tools.run.monolithic`), collecting a :class:`ModeResult`; under
+  ``--assign pull`` it fills the queue at each step start from the mode's shared pool
+  (:mod:`afd_tools.run.pull`). Modes that
   step together (sync, DP+EP) start each step with an exchange of batch sizes; a replica
   with nothing to do joins the step with a one-token dummy batch, as data-parallel engines
   do.
@@ -58,12 +60,13 @@ from afd_protocol import (
 from afd_protocol.launch import roster
 from afd_tools.prefill.layer_times import LayerTimes
 from afd_tools.prefill.metrics import ReplicaTimes
-from afd_tools.prefill.workload import Chunk, ChunkQueue, Request
+from afd_tools.prefill.workload import Chunk, ChunkQueue, Request, RequestPool
 from afd_tools.run.breakdown import Clock, TimedEndpoint
 from afd_tools.run.devices import random_weights, rank_device
 from afd_tools.run.exchanges import ExchangeLog, StepExchanges, probed_rows
 from afd_tools.run.expert_parallel import ExpertParallelEndpoint
 from afd_tools.run.lockstep import Lockstep, LockstepEndpoint
+from afd_tools.run.pull import Pulling
 from afd_tools.run.routing import RoutingLog
 from afd_tools.run.staging import StagedAttentionEndpoint
 
@@ -133,9 +136,12 @@ class ChunkLoop:
     :meth:`run`."""
 
     requests: list[Request]
+    """The replica's requests (under ``--assign pull``: its warm-up share; the timed modes
+    claim from a pool, :meth:`run`)."""
     max_tokens: int
     prompts: dict[int, torch.Tensor]
-    """Every request's token ids (:func:`request_tokens`)."""
+    """Every request's token ids (:func:`request_tokens`): under pull, every request of
+    the workload."""
     log: RoutingLog
     """Where the step's forward records its expert choices (taken once per step)."""
     progress: Pipe
@@ -178,25 +184,33 @@ class ChunkLoop:
         return batches
 
     def run(
-        self, step: Step, sizes: StepSizes | None = None, exchanges: bool = False
+        self,
+        step: Step,
+        sizes: StepSizes | None = None,
+        exchanges: bool = False,
+        pool: RequestPool | None = None,
     ) -> ModeResult:
-        """Prefill every request once through ``step``. With ``sizes`` the replicas step
-        together: each step starts with an exchange of batch sizes (-1: nothing left; the
-        time it takes counts as waiting), a replica with nothing ready joins with a one-token
-        dummy batch, and the loop ends when every replica is done. Without it, an idle
-        replica sleeps until the next arrival and the loop ends when its queue is empty.
-        With ``exchanges`` (a mode whose forward reports its MoE exchange to
-        :attr:`exchanges`) every real step records it."""
+        """Prefill every request once through ``step``: :attr:`requests`, or with ``pool``
+        (``--assign pull``) the requests this replica claims from it at each step start
+        (:meth:`ChunkQueue.refill`; the replica is done once its queue is empty and the
+        pool exhausted). With ``sizes`` the replicas step together: each step starts with
+        an exchange of batch sizes (-1: nothing left; the time it takes counts as waiting),
+        a replica with nothing ready joins with a one-token dummy batch, and the loop ends
+        when every replica is done. Without it, an idle replica sleeps until the next
+        arrival and the loop ends when it is done. With ``exchanges`` (a mode whose
+        forward reports its MoE exchange to :attr:`exchanges`) every real step records it."""
         log = self.exchanges if exchanges else None
         origin = time.monotonic()
         result = ModeResult(origin=origin)
-        queue = ChunkQueue(self.requests, self.max_tokens)
+        queue = ChunkQueue(self.requests if pool is None else [], self.max_tokens)
         cache = KVCache()  # earlier chunks of prompts longer than the budget
         while True:
             now = time.monotonic() - origin
+            if pool is not None:
+                queue.refill(pool, now)
+            done = queue.empty and (pool is None or pool.exhausted)
             rows = 0
             if sizes is not None:
-                done = queue.empty
                 chunks = [] if done else queue.next_step(now)
                 every = sizes.exchange(
                     -1 if done else _tokens(chunks), self.run_timeout, "step start"
@@ -205,14 +219,15 @@ class ChunkLoop:
                 if max(every) < 0:
                     break
                 rows = max(1, *every)
-            elif queue.empty:
+            elif done:
                 break
             else:
                 chunks = queue.next_step(now)
                 if not chunks:
                     # Idle until the next arrival; an orphan (launcher gone) stops here too.
                     check_supervisor(self.who)
-                    time.sleep(min(0.01, max(0.0, queue.next_arrival - now)))
+                    wake = queue.next_arrival if pool is None else pool.next_arrival
+                    time.sleep(min(0.01, max(0.0, wake - now)))
                     continue
             start = time.monotonic() - origin
             entries: list[Prompt]
@@ -297,6 +312,8 @@ class ReplicaSetup:
     """Async steps with under this many tokens per stage are cut into fewer stages."""
     warm_pass: bool = False
     """Whether :meth:`warm_up` also prefills every request once, untimed, in the first mode."""
+    pulling: Pulling | None = None
+    """Under ``--assign pull``: every request and each mode's shared claim cursor."""
 
     @classmethod
     def build(
@@ -317,6 +334,7 @@ class ReplicaSetup:
         num_stages: int = 1,
         min_stage_tokens: int = 0,
         warm_pass: bool = False,
+        pulling: Pulling | None = None,
     ) -> ReplicaSetup:
         """The replica on ``connection``: prefill ``requests`` (with ``seed``'s weights and
         prompts) in each of ``modes``, in steps of at most ``max_tokens`` tokens on
@@ -325,7 +343,9 @@ class ReplicaSetup:
         per finished request; ``timeout`` bounds every endpoint wait, ``run_timeout`` every
         wait for the other replicas; ``num_stages`` micro-batches are in flight in async
         (fewer in a step with under ``min_stage_tokens`` tokens per stage); ``warm_pass``:
-        :meth:`warm_up` also runs every request once, untimed, in the first mode."""
+        :meth:`warm_up` also runs every request once, untimed, in the first mode;
+        ``pulling`` (``--assign pull``): the timed modes claim from its pools, and
+        ``requests`` are only what this replica warms up on."""
         torch_dtype = getattr(torch, connection.layout.dtype)
         where = rank_device(connection, device)
         weights = random_weights(seed, where)
@@ -358,10 +378,11 @@ class ReplicaSetup:
         }
         lockstep = Lockstep(connection.rank, lockstep_inbox, lockstep_outboxes, replicas)
         timed = TimedEndpoint(endpoint, Clock(where))
+        every = requests if pulling is None else pulling.requests
         loop = ChunkLoop(
             requests,
             max_tokens,
-            {r.request_id: request_tokens(r, config.vocab_size, seed) for r in requests},
+            {r.request_id: request_tokens(r, config.vocab_size, seed) for r in every},
             RoutingLog(config.moe_layers),  # every step's expert choices, for the verification
             progress,
             f"attention replica {connection.rank}",
@@ -383,6 +404,7 @@ class ReplicaSetup:
             run_timeout,
             min_stage_tokens,
             warm_pass,
+            pulling,
         )
 
     def warm_up(self, first: ReplicaMode | None = None) -> None:
@@ -486,14 +508,16 @@ class ReplicaMode:
         return output, waited
 
     def run(self) -> ModeResult:
-        """Start together with every replica, prefill every request, and return the record
-        (with the per-layer times where the endpoint was called)."""
+        """Start together with every replica, prefill every request (its own, or those it
+        claims from the mode's pool), and return the record (with the per-layer times where
+        the endpoint was called)."""
         setup = self.setup
         setup.lockstep.barrier(setup.run_timeout, f"start of mode {self.name}")
         setup.timed.totals = LayerTimes()
         self._steps = []
+        pool = None if setup.pulling is None else setup.pulling.pool(self.name)
         result = setup.loop.run(
-            self.step, setup.lockstep if self.lockstepped else None, self.exchanges
+            self.step, setup.lockstep if self.lockstepped else None, self.exchanges, pool
         )
         result.exchange_includes_shared = (
             self.exchanges and setup.model.shared_placement is SharedPlacement.FFN

@@ -1438,6 +1438,12 @@ def verify(
     checks: Checks = {mode: {} for mode in parts}
     for mode, replicas in parts.items():
         for part in replicas:
+            twice = sorted(part.keys() & checks[mode].keys())
+            if twice:  # a request is checked once: a second replica's output would hide one
+                raise ValueError(
+                    f"mode {mode}: requests {twice[:10]} were prefilled by two replicas; each "
+                    "must be prefilled exactly once"
+                )
             checks[mode].update(part)
     if notes is not None:
         notes.extend(verifier.notes)

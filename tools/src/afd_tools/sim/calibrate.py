@@ -38,6 +38,7 @@ from typing import Any
 
 from afd_models import preset
 from afd_tools.prefill.metrics import ModeSummary
+from afd_tools.prefill.workload import PULL
 from afd_tools.sim.costs import Calibration, CostModel, Shapes, SimError, Wire
 from afd_tools.sim.fitting import LinearFit, fit_nonnegative
 from afd_tools.sim.measured import MeasuredRun
@@ -85,6 +86,7 @@ def _key(run: MeasuredRun) -> tuple[Any, ...]:
         run.wire,
         run.requests,
         run.split,
+        tuple(sorted(run.served_by.items())) if run.assign == PULL else None,
     )
 
 
@@ -101,7 +103,8 @@ def replay(runs: Sequence[MeasuredRun], cal: Calibration, modes: Sequence[str]) 
         dep = _deployment(first, cal)
         for mode in modes:
             if mode in by_mode:
-                sim = simulate_mode(dep, mode, first.requests, first.assign)
+                requests, policy = first.assignment(mode)
+                sim = simulate_mode(dep, mode, requests, policy)
                 out.append(Replay(first, mode, by_mode[mode], sim, dep))
     return out
 

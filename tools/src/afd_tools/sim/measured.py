@@ -11,6 +11,7 @@ validate`` on the measurements it came from, and CI checks the simulator against
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from afd_models import DeepseekConfig, preset
 from afd_tools.prefill.metrics import ModeSummary
 from afd_tools.prefill.run_report import Deployment, RunReport, role_shares
 from afd_tools.prefill.typed_json import ReportError
-from afd_tools.prefill.workload import Request
+from afd_tools.prefill.workload import PULL, Request
 from afd_tools.sim.costs import SimError, Wire
 
 
@@ -39,6 +40,29 @@ class MeasuredRun:
     mps_shares: dict[str, int] = field(default_factory=dict)
     """Each AFD rank's CUDA MPS share in percent, by rank name (empty: no GPU was shared
     under MPS, or a report from before it was recorded)."""
+    served_by: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per measured mode of an ``--assign pull`` run, the replica that prefilled each
+    request (the report's ``served_by``); empty for the static policies, whose modes the
+    simulator assigns as ``afd run`` did, and in reports from before it was recorded."""
+
+    def assignment(self, mode: str) -> tuple[tuple[Request, ...], str | None]:
+        """The requests and the policy to simulate ``mode`` with
+        (:func:`~afd_tools.sim.simulate.simulate_mode`): the report's requests and its
+        ``--assign``; under ``pull``, which the replicas decided while they ran, the
+        requests as the mode's replicas served them, and no policy (simulated as
+        assigned). A :class:`SimError` for a pull report that does not say."""
+        if self.assign != PULL:
+            return self.requests, self.assign
+        served = self.served_by.get(mode)
+        if served is None:
+            raise SimError(
+                f"{self.source}: an --assign pull run's mode {mode} is simulated with the "
+                f"assignment its replicas made, which this report does not record "
+                f"(served_by); rerun it with this afd, or measure with --assign round-robin"
+            )
+        return tuple(
+            dataclasses.replace(q, replica=r) for q, r in zip(self.requests, served, strict=True)
+        ), None
 
     def same_measurement(self, other: MeasuredRun) -> bool:
         """Whether ``other`` is this run's report again (read from another file or bundle):
@@ -189,6 +213,11 @@ def measured_run(report: RunReport, where: str) -> MeasuredRun:
         ),
         modes=modes,
         mps_shares={str(k): int(v) for k, v in report.placement.get("mps_shares", {}).items()},
+        served_by=(
+            {m: tuple(s) for m, s in report.served_by.items() if m in modes}
+            if report.deployment.assign == PULL
+            else {}
+        ),
     )
 
 
