@@ -44,7 +44,12 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
         default="round-robin",
         help="how requests are given to replicas, in arrival order: round-robin, or "
         "least-tokens, to the replica given the fewest prompt tokens so far (all at once "
-        "the least loaded; under --rate a static balance that does not see completions)",
+        "the least loaded; under --rate a static balance that does not see completions), or "
+        "pull: none before the run; one shared first-come-first-served queue, from which "
+        "each replica claims arrived requests at the start of each step while its queued "
+        "tokens are fewer than --max-num-batched-tokens (it takes work when its next step "
+        "has room; needs no prior knowledge of completion times; costs one shared counter "
+        "with a lock per mode)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
