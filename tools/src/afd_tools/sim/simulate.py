@@ -104,8 +104,8 @@ def simulate_mode(
     them over A+F by the same policy, as ``afd run`` does). Under ``pull`` the mode's
     replicas (A+F in dp-ep) claim them from one shared pool as they run; with ``policy``
     ``None`` the requests are already assigned over the mode's own replicas (a measured
-    run's assignment in that mode, :meth:`MeasuredRun.mode_requests
-    <afd_tools.sim.measured.MeasuredRun.mode_requests>`) and are simulated as they are."""
+    run's assignment in that mode, :meth:`MeasuredRun.assignment
+    <afd_tools.sim.measured.MeasuredRun.assignment>`) and are simulated as they are."""
     if mode not in MODES:
         raise SimError(f"unknown mode {mode!r}; choose from {list(MODES)}")
     s = dep.setup
