@@ -605,11 +605,11 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    # Two of the quick size (eager, graph-replayed), eleven full: v2-lite's depth check,
-    # arrivals, and least-tokens assignment all at once and under arrivals, and the long
-    # mix's 2A2F and 3A1F as one call with five GPUs or more, as two on fewer (3A1F at 3
-    # layers there).
-    assert len(calls) == 13
+    # Two of the quick size (eager, graph-replayed), twelve full: v2-lite's depth check,
+    # arrivals, and least-tokens assignment all at once and under arrivals, v3-slice's
+    # arrivals assigned by pull, and the long mix's 2A2F and 3A1F as one call with five
+    # GPUs or more, as two on fewer (3A1F at 3 layers there).
+    assert len(calls) == 14
     three_layers = [argv for argv in calls if "--run-arg=--layers=3" in argv]
     assert len(three_layers) == 1
     assert "3:1" in three_layers[0]
@@ -653,7 +653,7 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
 
 
 FULL_NAMES = ("depth-v2-lite arrivals-v2-lite assign-v2-lite arrivals-assign-v2-lite "
-              "target-long-3a1f arrivals split-2a1f target-long target-2a1f full")  # fmt: skip
+              "target-long-3a1f arrivals arrivals-pull split-2a1f target-long target-2a1f full")  # fmt: skip
 """tools/gpu/main-job --full's benchmarks, in its order, as its messages list them."""
 
 
@@ -754,7 +754,8 @@ def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: 
     assert names == ["target-long-3a1f", "arrivals", "split-2a1f"]
     assert "--warm-up off" not in calls[0]  # the sitting's first run still warms up
     skipped_here = ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite",
-                    "arrivals-assign-v2-lite", "target-long", "target-2a1f", "full"]  # fmt: skip
+                    "arrivals-assign-v2-lite", "arrivals-pull", "target-long", "target-2a1f",
+                    "full"]  # fmt: skip
     for skipped in skipped_here:
         assert f"[main-job] {skipped}: not in MAIN_JOB_ONLY, skipped" in out
     (tmp_path / "all").mkdir()
@@ -816,7 +817,8 @@ def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
     assert "--layout 3:1 --layout 2:1 --stages 2 --run-arg=--assign=least-tokens" in calls[2]
     assert "--rate 4 --ttft-slo 2 --run-arg=--assign=least-tokens" in calls[3]
     assert "--preset v2-lite --workload uneven --workload uniform" in calls[4]
-    for skipped in ["target-long-3a1f", "arrivals", "split-2a1f", "target-long", "target-2a1f"]:
+    for skipped in ["target-long-3a1f", "arrivals", "arrivals-pull", "split-2a1f", "target-long",
+                    "target-2a1f"]:
         line = (f"[main-job] {skipped}: v3-slice skipped: its FFN rank's routed experts "
                 "alone are 84 GiB (94 GiB its whole process on an H200) and this GPU has 79 "
                 "GiB (MAIN_JOB_V3_GIB=120)")  # fmt: skip
