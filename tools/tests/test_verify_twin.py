@@ -171,12 +171,12 @@ def test_a_planted_error_at_depth_still_fails(reference: MonolithicModel) -> Non
 
 def test_the_reference_is_released_before_the_twin_is_built(reference: MonolithicModel) -> None:
     """With a reference verify() builds itself (as afd run passes it), the twin is built
-    only after every replica of every mode is checked and the reference is gone (v2-lite's
-    reference and twin do not fit an H100 together); the verdicts equal those of a run that
-    keeps it, for two modes of two replicas."""
+    only after every mode is checked and the reference is gone (v2-lite's reference and
+    twin do not fit an H100 together); the verdicts equal those of a run that keeps it, for
+    two modes (one replica each: a request is prefilled by exactly one replica of a mode)."""
     result = bf16_run()
     outcomes: list[tuple[list[str], list[Any], list[dict[str, Any]], list[Any]]] = [
-        (["async", "sync"], [], [{"async": result, "sync": result}] * 2, [])
+        (["async", "sync"], [], [{"async": result, "sync": result}], [])
     ]
     kept = verify(reference, outcomes, prompts(), MARGIN, TOL, None, twin_builder())
     alive: list[bool] = []
@@ -206,6 +206,19 @@ def test_the_reference_is_released_before_the_twin_is_built(reference: Monolithi
     checks = [c for mode in released.values() for c in mode.values()]
     assert any(c.twin is not None for c in checks)
     assert all((c.twin is not None) == (not c.error <= TOL) for c in checks)
+
+
+def test_a_request_prefilled_by_two_replicas_of_a_mode_is_refused(
+    reference: MonolithicModel,
+) -> None:
+    """Two replicas reporting the same requests (a pool claimed twice, a launcher bug): the
+    second's outputs would silently replace the first's checks, so verify() names them."""
+    result = bf16_run()
+    outcomes = [(["async"], [], [{"async": result}] * 2, [])]
+    said = (r"mode async: requests \[0, 1, 2, 3\] were prefilled by two replicas; each must "
+            r"be prefilled exactly once")  # fmt: skip
+    with pytest.raises(ValueError, match=said):
+        verify(reference, outcomes, prompts(), MARGIN, TOL, None, twin_builder())
 
 
 def test_the_twin_is_not_built_when_nothing_misses() -> None:
