@@ -651,6 +651,29 @@ def test_the_arrivals_projections_are_what_docs_sim_published(
         assert round(summary.tokens_per_s) == tokens_per_s
 
 
+def _assert_projected(
+    argv: list[str],
+    rate: int | None,
+    out: Path,
+    expected: dict[str, tuple[int, float, float]],
+    capsys: Any,
+) -> None:
+    """``afd sim`` with ``argv`` (at Poisson ``rate`` when given, its JSON at ``out``) gives
+    per mode the published tokens/s (rounded) and TTFT p50 and p99 (to 5 ms; NaN fails)."""
+    from afd_tools.prefill.metrics import ModeSummary
+
+    if rate is not None:
+        argv = [*argv, "--rate", str(rate)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    modes = json.loads(out.read_text())["modes"]
+    for mode, (tokens_per_s, p50, p99) in expected.items():
+        summary = ModeSummary.from_json(modes[mode], "sim.json")
+        assert round(summary.tokens_per_s) == tokens_per_s
+        assert summary.ttft_p50 == pytest.approx(p50, abs=0.005)
+        assert summary.ttft_p99 == pytest.approx(p99, abs=0.005)
+
+
 @pytest.mark.parametrize(
     ("attention_ranks", "rate", "assign", "expected"),
     [(3, None, "round-robin", {"async": (25281, 3.30, 7.66), "sync": (20895, 3.65, 9.27)}),
@@ -671,23 +694,12 @@ def test_the_assignment_projections_are_what_docs_sim_published(
     """docs/sim.md's projection for main-job's assign-v2-lite and arrivals-assign-v2-lite
     (requests balanced by tokens given, beside round-robin), written before the GPU runs:
     per mode, tokens/s and TTFT p50 and p99."""
-    from afd_tools.prefill.metrics import ModeSummary
-
     out = tmp_path / "sim.json"
     argv = ["sim", *H100_V2_LITE, "--attention-ranks", str(attention_ranks), "--ffn-ranks",
             "1", "--workload", "uneven", "--requests", "48", "--max-prompt-len", "16384",
             "--max-num-batched-tokens", "16384", "--stages", "2", "--mode", "all",
             "--assign", assign, "--json", str(out)]  # fmt: skip
-    if rate is not None:
-        argv += ["--rate", str(rate)]
-    assert main(argv) == 0
-    capsys.readouterr()
-    modes = json.loads(out.read_text())["modes"]
-    for mode, (tokens_per_s, p50, p99) in expected.items():
-        summary = ModeSummary.from_json(modes[mode], "sim.json")
-        assert round(summary.tokens_per_s) == tokens_per_s
-        assert summary.ttft_p50 == pytest.approx(p50, abs=0.005)
-        assert summary.ttft_p99 == pytest.approx(p99, abs=0.005)
+    _assert_projected(argv, rate, out, expected, capsys)
 
 
 def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> None:
@@ -845,3 +857,30 @@ def test_the_h200_calibration_after_the_fix_is_the_fit_of_its_bundle() -> None:
     assert (cal.layers, cal.attention_share, cal.ffn_share) == (4, 25.0, 25.0)
     assert min(cal.attn_fixed_s, cal.attn_token_s, cal.attn_square_s) > 0
     assert H200_FULL_RUNS.name in cal.command
+
+
+PULL_PROJECTED: list[tuple[int | None, str, dict[str, tuple[int, float, float]]]] = [
+     (None, "pull", {"async": (25163, 4.58, 7.70), "sync": (18591, 6.59, 10.42)}),
+     (2, "pull", {"async": (8664, 0.51, 1.51), "sync": (8676, 1.03, 3.26)}),
+     (4, "pull", {"async": (17144, 0.93, 2.66), "sync": (15716, 2.08, 5.44)}),
+     (8, "pull", {"async": (23020, 2.38, 4.56), "sync": (17526, 4.57, 7.17)}),
+     (8, "least-tokens", {"async": (23109, 2.50, 4.27), "sync": (16990, 4.88, 7.64)}),
+     (8, "round-robin", {"async": (21378, 2.60, 5.49), "sync": (16461, 4.49, 7.81)})]  # fmt: skip
+"""docs/sim.md's projection of --assign pull at the budget of main-job's arrivals-pull:
+(rate or all at once, policy, per mode tokens/s and TTFT p50 and p99)."""
+
+
+@pytest.mark.parametrize("case", PULL_PROJECTED)
+def test_the_pull_projection_is_what_docs_sim_published(
+    case: tuple[int | None, str, dict[str, tuple[int, float, float]]], tmp_path: Path, capsys: Any
+) -> None:
+    """:data:`PULL_PROJECTED` (h200-mps-v3-full, v3-slice 4 layers, 2A1F, two stages),
+    written before the GPU run."""
+    rate, assign, expected = case
+    out = tmp_path / "sim.json"
+    argv = ["sim", "--calibration", "h200-mps-v3-full", "--preset", "v3-slice", "--layers",
+            "4", "--attention-ranks", "2", "--ffn-ranks", "1", "--workload", "uneven",
+            "--requests", "48", "--max-prompt-len", "16384", "--max-num-batched-tokens",
+            "16384", "--stages", "2", "--mode", "all", "--colocated", "dp", "--assign", assign,
+            "--json", str(out)]  # fmt: skip
+    _assert_projected(argv, rate, out, expected, capsys)
