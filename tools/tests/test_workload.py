@@ -205,12 +205,12 @@ def test_refill_claims_only_while_the_next_step_has_room() -> None:
     # budget 10: a 12-token prompt fills the next step, so nothing more is claimed; once
     # its first chunk is scheduled, 2 tokens are left and the replica claims again.
     pool = ArrivalPool([Request(i, n, 0.0) for i, n in enumerate([12, 3, 3, 9])])
-    queue = ChunkQueue([], 10)
-    assert [r.request_id for r in queue.refill(pool, 0.0)] == [0]
+    queue = ChunkQueue([], 10, pool)
+    assert [r.request_id for r in queue.refill(0.0)] == [0]
     assert queue.unscheduled == 12
     assert [(c.request_id, c.end) for c in queue.next_step(0.0)] == [(0, 10)]
     assert queue.unscheduled == 2
-    assert [r.request_id for r in queue.refill(pool, 0.0)] == [1, 2, 3]  # 2 -> 5 -> 8 -> 17
+    assert [r.request_id for r in queue.refill(0.0)] == [1, 2, 3]  # 2 -> 5 -> 8 -> 17
     assert queue.unscheduled == 17
     assert pool.exhausted
 
@@ -242,7 +242,7 @@ def test_the_pull_rule_claims_each_request_once_in_arrival_order_and_only_with_r
     scheduled exactly once."""
     requests = assign([n for n, _ in drawn], [t for _, t in drawn], replicas, "pull")
     pool = ArrivalPool(requests)
-    queues = [ChunkQueue([], budget) for _ in range(replicas)]
+    queues = [ChunkQueue([], budget, pool) for _ in range(replicas)]
     claims: list[Request] = []
     scheduled: dict[int, list[tuple[int, int]]] = {r.request_id: [] for r in requests}
     now = 0.0
@@ -252,7 +252,7 @@ def test_the_pull_rule_claims_each_request_once_in_arrival_order_and_only_with_r
         at = math.inf if later == math.inf else now
         queue = queues[who % replicas]
         room_before = queue.unscheduled < budget
-        claimed = queue.refill(pool, at)
+        claimed = queue.refill(at)
         assert not claimed or room_before  # a full next step claims nothing
         for i, request in enumerate(claimed):
             assert request.arrival <= at

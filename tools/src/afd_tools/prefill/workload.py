@@ -287,18 +287,30 @@ class ChunkQueue:
     what is left of the budget contributes a chunk and stays at the head of the queue, so
     its next chunk goes first in the next step (the way vLLM's chunked prefill schedules
     long prompts). No prompt is ever too long for the budget.
+
+    With a ``pool`` (``--assign pull``) the queue also takes requests from it at each step
+    start (:meth:`refill`); it is :attr:`done` once it is empty and the pool exhausted.
     """
 
-    def __init__(self, requests: Sequence[Request], budget: int) -> None:
+    def __init__(
+        self, requests: Sequence[Request], budget: int, pool: RequestPool | None = None
+    ) -> None:
         if budget < 1:
             raise WorkloadError(f"--max-num-batched-tokens must be >= 1, got {budget}")
         self.budget = budget
+        self.pool = pool
         self._pending = [_Progress(request) for request in arrival_order(requests)]
         self._unscheduled = sum(r.prompt_len for r in requests)
 
     @property
     def empty(self) -> bool:
+        """Nothing queued here (a pool may still hold requests: :attr:`done`)."""
         return not self._pending
+
+    @property
+    def done(self) -> bool:
+        """Nothing queued here and nothing left to claim."""
+        return not self._pending and (self.pool is None or self.pool.exhausted)
 
     @property
     def unscheduled(self) -> int:
@@ -311,13 +323,14 @@ class ChunkQueue:
         self._pending.append(_Progress(request))
         self._unscheduled += request.prompt_len
 
-    def refill(self, pool: RequestPool, now: float) -> list[Request]:
-        """The pull rule, at the start of a step: claim arrived requests from ``pool``, in
+    def refill(self, now: float) -> list[Request]:
+        """The pull rule, at the start of a step: claim arrived requests from the pool, in
         arrival order, while the tokens queued here and not yet scheduled are fewer than
-        the budget (so the next step has room for them); the requests claimed."""
-        claimed = []
-        while self._unscheduled < self.budget:
-            request = pool.claim(now)
+        the budget (so the next step has room for them); the requests claimed (none
+        without a pool)."""
+        claimed: list[Request] = []
+        while self.pool is not None and self._unscheduled < self.budget:
+            request = self.pool.claim(now)
             if request is None:
                 break
             self.add(request)
@@ -326,8 +339,9 @@ class ChunkQueue:
 
     @property
     def next_arrival(self) -> float:
-        """When the head of the queue arrives (seconds after the start)."""
-        return self._pending[0].request.arrival if self._pending else math.inf
+        """When the head of the queue, or of the pool, arrives (seconds after the start)."""
+        head = self._pending[0].request.arrival if self._pending else math.inf
+        return head if self.pool is None else min(head, self.pool.next_arrival)
 
     def next_step(self, now: float) -> list[Chunk]:
         """The chunks of the next step among the requests arrived by ``now`` (may be empty)."""

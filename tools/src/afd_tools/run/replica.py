@@ -202,13 +202,12 @@ class ChunkLoop:
         log = self.exchanges if exchanges else None
         origin = time.monotonic()
         result = ModeResult(origin=origin)
-        queue = ChunkQueue(self.requests if pool is None else [], self.max_tokens)
+        queue = ChunkQueue(self.requests if pool is None else [], self.max_tokens, pool)
         cache = KVCache()  # earlier chunks of prompts longer than the budget
         while True:
             now = time.monotonic() - origin
-            if pool is not None:
-                queue.refill(pool, now)
-            done = queue.empty and (pool is None or pool.exhausted)
+            queue.refill(now)
+            done = queue.done
             rows = 0
             if sizes is not None:
                 chunks = [] if done else queue.next_step(now)
@@ -226,8 +225,7 @@ class ChunkLoop:
                 if not chunks:
                     # Idle until the next arrival; an orphan (launcher gone) stops here too.
                     check_supervisor(self.who)
-                    wake = queue.next_arrival if pool is None else pool.next_arrival
-                    time.sleep(min(0.01, max(0.0, wake - now)))
+                    time.sleep(min(0.01, max(0.0, queue.next_arrival - now)))
                     continue
             start = time.monotonic() - origin
             entries: list[Prompt]

@@ -295,16 +295,13 @@ class Simulation:
     def _replica(self, r: int, requests: list[Request], lockstep: bool) -> Process:
         rec = self.records[r]
         engine = self.engine
-        queue = ChunkQueue(requests, self.setup.budget)
-        pool = self.pool
+        queue = ChunkQueue(requests, self.setup.budget, self.pool)
         stages = self.setup.stages if self.mode == "async" else 1
         while True:
             now = engine.now
-            if pool is not None:
-                queue.refill(pool, now)
-            finished = queue.empty and (pool is None or pool.exhausted)
+            queue.refill(now)
             if lockstep:
-                done = finished
+                done = queue.done
                 chunks = [] if done else queue.next_step(now)
                 size = -1 if done else sum(c.end - c.begin for c in chunks)
                 sizes = yield (WAIT, self._barrier.arrive(r, size))
@@ -313,14 +310,13 @@ class Simulation:
                     return
                 padded = max(1, *sizes)
                 real = sum(max(0, s) for s in sizes)
-            elif finished:
+            elif queue.done:
                 return
             else:
                 chunks = queue.next_step(now)
                 padded = real = 0
                 if not chunks:  # idle until the next arrival, here or in the pool
-                    wake = queue.next_arrival if pool is None else pool.next_arrival
-                    yield (DELAY, wake - now)
+                    yield (DELAY, queue.next_arrival - now)
                     continue
             start = engine.now
             before = dataclasses.replace(rec.totals)
