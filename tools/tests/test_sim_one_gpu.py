@@ -884,3 +884,45 @@ def test_the_pull_projection_is_what_docs_sim_published(
             "16384", "--stages", "2", "--mode", "all", "--colocated", "dp", "--assign", assign,
             "--json", str(out)]  # fmt: skip
     _assert_projected(argv, rate, out, expected, capsys)
+
+
+V3_FULL_SWEPT: dict[tuple[int, int, float | None], tuple[int, int]] = {
+    (2, 1, None): (25595, 19340),
+    (2, 2, None): (29192, 23212),
+    (3, 1, None): (25492, 22911),
+    (2, 1, 20.0): (22561, 22727),
+    (2, 1, 25.0): (27661, 24608),
+    (2, 1, 33.3): (34068, 25741),
+    (2, 1, 40.0): (33843, 25349),
+    (2, 1, 50.0): (29257, 23254),
+    (3, 1, 33.3): (29744, 23217),
+    (2, 2, 20.0): (33776, 25300),
+}
+"""docs/sim.md's sweeps with h200-mps-v3-full: (A, F, FFN share of one GPU or None for a
+rank per 25 % "GPU") -> async and sync tokens/s."""
+
+
+@pytest.mark.parametrize("one_gpu", [False, True])
+def test_the_sweeps_with_the_h200_calibration_after_the_fix_are_what_docs_sim_published(
+    one_gpu: bool, tmp_path: Path, capsys: Any
+) -> None:
+    """The A:F sweep (one rank per quarter-GPU) and the split of one GPU (--ffn-shares), on
+    the uneven mix at two stages: every published row's async and sync tokens/s."""
+    out = tmp_path / "sweep.json"
+    argv = ["sim", "sweep", "--calibration", "h200-mps-v3-full", "--preset", "v3-slice",
+            "--layers", "4", "--gpus", "3,4", "--modes", "async,sync", "--workload", "uneven",
+            "--requests", "48", "--max-prompt-len", "16384", "--max-num-batched-tokens",
+            "16384", "--stages", "2", "--no-progress", "--json", str(out)]  # fmt: skip
+    if one_gpu:
+        argv += ["--ratios", "2:1,3:1,2:2", "--ffn-shares", "20,25,33.3,40,50"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    got = {
+        (p["attention_ranks"], p["ffn_ranks"], p["ffn_share"], p["mode"]): p["tokens_per_s"]
+        for p in json.loads(out.read_text())["points"]
+    }
+    published = {k: v for k, v in V3_FULL_SWEPT.items() if (k[2] is not None) == one_gpu}
+    assert published
+    for (a, f, share), (async_tps, sync_tps) in published.items():
+        assert round(got[(a, f, share, "async")]) == async_tps, (a, f, share)
+        assert round(got[(a, f, share, "sync")]) == sync_tps, (a, f, share)
