@@ -169,13 +169,18 @@ class MeasuredRun:
 
     @property
     def label(self) -> str:
-        """The configuration, without the repetition: runs with one label are repeats."""
+        """The configuration, without the repetition: runs with one label are repeats. It
+        names the requests' assignment unless round-robin, and the SM split of runs under
+        CUDA MPS (``2A1F uneven 48 req at 4/s, assign pull, budget 16384, stages 2,
+        attention 25 %, ffn 50 %``)."""
         return (
             f"{self.attention_ranks}A{self.ffn_ranks}F {self.workload} "
             f"{len(self.requests)} req"
             + (f" at {self.deployment.rate:g}/s" if self.deployment.rate is not None else "")
+            + (f", assign {self.assign}" if self.assign != "round-robin" else "")
             + f", budget {self.budget}, stages {self.stages}"
             + (f" (>= {self.min_stage_tokens} tokens each)" if self.min_stage_tokens else "")
+            + (f", {self.split}" if self.mps_shares else "")
         )
 
 
