@@ -713,6 +713,53 @@ def test_the_assignment_projections_are_what_docs_sim_published(
     _assert_projected(argv, rate, out, expected, capsys)
 
 
+@pytest.mark.parametrize(
+    ("attention_ranks", "ffn_ranks", "mix", "expected"),
+    [(2, 1, "uneven", {1: (25595, 19340), 2: (25871, 19340)}),
+     (2, 1, "long", {1: (14089, 11410), 2: (14079, 11301)}),
+     (3, 1, "long", {1: (22043, 15802), 2: (21994, 15540)}),
+     (2, 2, "uneven", {1: (29192, 23212), 2: (29192, 23212)})],
+)  # fmt: skip
+def test_the_ffn_batching_projections_are_what_docs_sim_published(
+    attention_ranks: int,
+    ffn_ranks: int,
+    mix: str,
+    expected: dict[int, tuple[int, int]],
+    tmp_path: Path,
+    capsys: Any,
+) -> None:
+    """docs/sim.md's what-if of FFN batching across replicas on one H200 (h200-mps-v3-full,
+    two stages): async and sync tokens/s with one item per grouped GEMM and with up to two,
+    on the uneven mix and the full long mix."""
+    from afd_tools.bench.prefill_matrix import FULL, workload_lengths
+    from afd_tools.prefill.metrics import ModeSummary
+
+    if mix == "long":
+        lengths = workload_lengths("long", "v3-slice", FULL, 0)
+        assert lengths is not None
+        workload = tmp_path / "full-long.jsonl"
+        workload.write_text("".join(json.dumps({"prompt_len": n}) + "\n" for n in lengths))
+        mix_args = ["--workload-file", str(workload)]
+    else:
+        mix_args = ["--workload", "uneven", "--requests", "48", "--max-prompt-len", "16384"]
+    for batch, (async_tokens_per_s, sync_tokens_per_s) in expected.items():
+        out = tmp_path / f"sim-{batch}.json"
+        argv = ["sim", "--calibration", "h200-mps-v3-full", "--preset", "v3-slice",
+                "--layers", "4", "--attention-ranks", str(attention_ranks), "--ffn-ranks",
+                str(ffn_ranks), *mix_args, "--max-num-batched-tokens", "16384", "--stages",
+                "2", "--mode", "all", "--ffn-batch", str(batch), "--no-progress",
+                "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        capsys.readouterr()
+        modes = json.loads(out.read_text())["modes"]
+        got = {m: ModeSummary.from_json(modes[m], "sim.json").tokens_per_s for m in modes}
+        assert all(math.isfinite(v) for v in got.values()), got
+        assert (round(got["async"]), round(got["sync"])) == (
+            async_tokens_per_s,
+            sync_tokens_per_s,
+        ), (batch, got)
+
+
 def test_a_bundle_keeps_one_preset_when_asked(tmp_path: Path, capsys: Any) -> None:
     source = CALIBRATIONS / "h200-mps-quick-v3-slice-runs.json.gz"
     out = tmp_path / "v3.json.gz"
