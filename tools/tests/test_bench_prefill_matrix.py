@@ -966,12 +966,18 @@ def test_the_kept_h200_state_resumes_the_main_jobs_benchmarks_on_one_141_gb_gpu(
                     runs += [(p, job_of(base, p)) for p in expand(args, base, preset, workload)]
             return runs
 
-        given = [a.removeprefix("--run-arg=") for a in [*argv, *run_args] if "--run-arg=" in a]
+        given = _kept_run_args(argv, run_args)
         data = json.loads(path.read_text())
         resumed = resumed_runs(path, plan(parsed.preset), FULL, parsed.ttft_slo, given, 0)
         assert len(resumed.kept) == len(data["runs"]) > 0, path.name
         with pytest.raises(ResumeError, match="another matrix"):
             resumed_runs(path, plan(["v2-lite"]), FULL, parsed.ttft_slo, given, 0)
+
+
+def _kept_run_args(argv: list[str], run_args: list[str]) -> list[str]:
+    """What ``afd bench prefill`` keeps of a call's ``--run-arg=`` words: the words after
+    the prefix, the call's own first, then ``run_args``'s."""
+    return [a.removeprefix("--run-arg=") for a in [*argv, *run_args] if "--run-arg=" in a]
 
 
 def _without_v3_slice(argv: list[str]) -> list[str]:
@@ -1017,11 +1023,10 @@ def test_the_kept_h100_state_resumes_the_main_jobs_benchmarks_on_an_80_gb_gpu(
     for path in files:
         argv = _without_v3_slice(named[path.stem])
         slo = build_parser().parse_args(["bench", "prefill", *argv, *run_args]).ttft_slo
-        # what afd bench prefill keeps of the run args
-        given = [a.removeprefix("--run-arg=") for a in [*argv, *run_args] if "--run-arg=" in a]
+        given = _kept_run_args(argv, run_args)
         held = len(json.loads(path.read_text())["runs"])
         resumed = resumed_runs(path, plan(argv), FULL, slo, given, 0)
         assert len(resumed.kept) == held > 0, path.name
+    full, kept = named["full"], _kept_run_args(named["full"], run_args)
     with pytest.raises(ResumeError, match="another matrix"):
-        resumed_runs(state / "full.json", plan(named["full"]), FULL, None,
-                     ["--device=cuda", "--share-gpus"], 0)  # fmt: skip
+        resumed_runs(state / "full.json", plan(full), FULL, None, kept, 0)
