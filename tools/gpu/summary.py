@@ -7,9 +7,23 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 REFERENCE_PEER_COPY_GBS = 394.0
 """One-sided peer copy_ measured on the project's 2xH200 host (ARCHITECTURE.md)."""
+
+
+def _prefill_outcome(mode: dict[str, Any]) -> str:
+    """One mode's tokens/s and TTFT p99, and its per-layer breakdown where it has one (the
+    colocated baselines have none: no exchange to split the layer by)."""
+    outcome = f"{mode['tokens_per_s']:.0f} tok/s, TTFT p99 {mode['ttft_p99']:.2f} s"
+    b = mode.get("breakdown") or {}
+    if "compute_ms_per_layer" not in b:
+        return outcome
+    return (
+        f"{outcome}; per layer compute {b['compute_ms_per_layer']:.2f} / dispatch "
+        f"{b['dispatch_ms_per_layer']:.2f} / combine {b['combine_ms_per_layer']:.2f} ms"
+    )
 
 
 def main(folder: str) -> int:
@@ -128,15 +142,7 @@ def main(folder: str) -> int:
                 continue
             bad = report["verification_failures"]
             for mode, m in report["modes"].items():
-                b = m.get("breakdown", {})
-                outcome = (
-                    "FAIL (outputs)"
-                    if mode in bad
-                    else f"{m['tokens_per_s']:.0f} tok/s, TTFT p99 {m['ttft_p99']:.2f} s; per "
-                    f"layer compute {b.get('compute_ms_per_layer', float('nan')):.2f} / dispatch "
-                    f"{b.get('dispatch_ms_per_layer', float('nan')):.2f} / combine "
-                    f"{b.get('combine_ms_per_layer', float('nan')):.2f} ms"
-                )
+                outcome = "FAIL (outputs)" if mode in bad else _prefill_outcome(m)
                 label = f"async N={entry.get('stages', '?')}" if mode == "async" else mode
                 rows.append(("prefill", f"{name} {label}", outcome))
                 failed += mode in bad

@@ -79,3 +79,34 @@ def test_a_failed_stage_attention_check_is_named(tmp_path: Path) -> None:
     shown = _summary(tmp_path)
     assert shown.returncode == 1, shown.stdout
     assert f"FAILED stage attention: {verdict} (FAIL)" in shown.stdout.splitlines()
+
+
+def test_a_prefill_mode_without_a_breakdown_shows_no_nan(tmp_path: Path) -> None:
+    """The colocated baseline has no per-layer breakdown (its report's ``breakdown`` is
+    ``{}``, as on the H100 at 353704e): its row gives tokens/s and TTFT alone, where it
+    printed ``compute nan / dispatch nan / combine nan``; an AFD mode keeps its split."""
+    clean = JUNIT.replace("<failure", "<x").replace("</failure>", "</x>")
+    (tmp_path / "gpu-tests.xml").write_text(clean)
+    (tmp_path / "parity-tests.xml").write_text(clean)
+    (tmp_path / "bench-nvshmem.skipped").write_text("")
+    (tmp_path / "loopback-formats.json").write_text(json.dumps({}))
+    (tmp_path / "stage-attention.log").write_text("stage_attention: PASS: agree\n")
+    split = {"compute_ms_per_layer": 3.42, "dispatch_ms_per_layer": 0.36,
+             "combine_ms_per_layer": 0.48}  # fmt: skip
+    modes = {
+        "async": {"tokens_per_s": 171891.2, "ttft_p99": 0.051, "breakdown": split},
+        "colocated": {"tokens_per_s": 276822.4, "ttft_p99": 0.031, "breakdown": {}},
+    }
+    run = {"preset": "v2-lite", "workload": "uneven", "attention_ranks": 1, "ffn_ranks": 1,
+           "stages": 2, "exit_code": 0,
+           "report": {"verification_failures": {}, "modes": modes}}  # fmt: skip
+    (tmp_path / "bench-prefill.json").write_text(json.dumps({"runs": [run]}))
+    shown = _summary(tmp_path)
+    assert shown.returncode == 0, shown.stdout
+    assert "nan" not in shown.stdout
+    rows = [" ".join(line.split()) for line in shown.stdout.splitlines()]
+    assert [row for row in rows if row.startswith("prefill ")] == [
+        "prefill v2-lite uneven 1A1F async N=2 171891 tok/s, TTFT p99 0.05 s; per layer "
+        "compute 3.42 / dispatch 0.36 / combine 0.48 ms",
+        "prefill v2-lite uneven 1A1F colocated 276822 tok/s, TTFT p99 0.03 s",
+    ]
