@@ -110,3 +110,24 @@ def test_a_prefill_mode_without_a_breakdown_shows_no_nan(tmp_path: Path) -> None
         "compute 3.42 / dispatch 0.36 / combine 0.48 ms",
         "prefill v2-lite uneven 1A1F colocated 276822 tok/s, TTFT p99 0.03 s",
     ]
+
+
+def test_the_suite_explains_itself_and_refuses_an_unknown_argument() -> None:
+    """``tools/gpu/suite --help`` prints its whole header comment (to its last line, however
+    long it grows) and nothing of the script; an unknown argument exits 2 naming it, before
+    anything runs (no GPU needed for either)."""
+    suite = SUMMARY.with_name("suite")
+    header = []
+    for line in suite.read_text().splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        header.append(line.removeprefix("#").removeprefix(" "))
+    shown = subprocess.run(
+        ["bash", str(suite), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == header
+    assert header[0].startswith("Every GPU test and benchmark of afd")
+    bad = subprocess.run(["bash", str(suite), "--fast"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert "tools/gpu/suite: unknown argument '--fast'" in bad.stderr
