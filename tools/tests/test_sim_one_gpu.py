@@ -572,7 +572,9 @@ def test_a_bundle_can_leave_out_the_runs_bundled_before(tmp_path: Path, capsys: 
     )
 
 
-@pytest.mark.parametrize("name", ["h100-mps-v2-lite-27", "h200-mps-v3-full"])
+@pytest.mark.parametrize(
+    "name", ["h100-mps-v2-lite-27", "h200-mps-v3-full", "h100-mps-v2-lite-27-fixed"]
+)
 def test_a_shipped_mps_calibration_is_its_command_on_its_runs(tmp_path: Path, name: str) -> None:
     """A shipped one-GPU calibration is what its own ``command`` fits on the shipped runs:
     every coefficient equal (only where and when it was written differ)."""
@@ -994,6 +996,116 @@ def test_the_sweeps_with_the_h200_calibration_after_the_fix_are_what_docs_sim_pu
         for p in json.loads(out.read_text())["points"]
     }
     published = {k: v for k, v in V3_FULL_SWEPT.items() if (k[2] is not None) == one_gpu}
+    assert published
+    for (a, f, share), (async_tps, sync_tps) in published.items():
+        assert round(got[(a, f, share, "async")]) == async_tps, (a, f, share)
+        assert round(got[(a, f, share, "sync")]) == sync_tps, (a, f, share)
+
+
+H100_FIXED_RUNS = CALIBRATIONS / "h100-mps-v2-lite-27-fixed-runs.json.gz"
+"""The H100's four runs after the lower-right fix (2026-12-07: 3A1F and 2A1F least-tokens,
+2A1F round-robin, 2A1F least-tokens under arrivals at 4/s)."""
+H100_STATE = Path(__file__).resolve().parents[1] / "gpu" / "main-job-state" / "h100-80gb"
+
+
+@pytest.mark.parametrize(
+    ("argv", "lines"),
+    [
+        (
+            [str(H100_RUNS), "--predict", str(H100_FIXED_RUNS)],
+            [
+                "the fit on the runs given: set to 0, ffn_expert_s: not separable from "
+                "ffn_row_s, ffn_item_s in these measurements (FFN time per item)",
+                "makespan_s: 5 of 8 within 15%, mean |error| 12.3%, worst 23.0%; ttft_p50: 4 "
+                "of 8 within 15%, mean |error| 30.3%, worst 100.4%; both within 15%: 4 of 8",
+            ],
+        ),
+        (
+            [str(H100_FIXED_RUNS)],
+            [
+                "makespan_s: 8 of 8 within 15%, mean |error| 6.0%, worst 12.6%; ttft_p50: 6 of "
+                "8 within 15%, mean |error| 12.4%, worst 45.1%; both within 15%: 6 of 8",
+            ],
+        ),
+        (
+            [str(H100_STATE / "assign-v2-lite.json"), str(H100_STATE / "depth-v2-lite.json"),
+             "--predict", str(H100_STATE / "arrivals-assign-v2-lite.json")],
+            [
+                "makespan_s: 2 of 2 within 15%, mean |error| 2.3%, worst 4.4%; ttft_p50: 0 of "
+                "2 within 15%, mean |error| 20.8%, worst 25.3%; both within 15%: 0 of 2",
+            ],
+        ),
+    ],
+)  # fmt: skip
+def test_the_h100_runs_after_the_lower_right_fix_validate_as_docs_sim_says(
+    argv: list[str], lines: list[str], capsys: Any
+) -> None:
+    """docs/sim.md's H100 table after the fix: the fit from before it predicting the runs
+    after it (one fit, so one line for what it left undetermined, not one per run), one A:F
+    pair held out, and the arrivals run from the all-at-once ones."""
+    assert main(["sim", "validate", *argv, *GRID_ARGS, "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-len(lines) :] == lines
+    folds = [line for line in out if line.startswith("fold without")]
+    if "--predict" in argv:
+        assert folds == []
+    else:  # 2A1F held out: 3A1F's one run cannot separate the FFN's per-expert cost
+        assert len(folds) == 3
+        assert all(f.startswith("fold without 2A1F") and "ffn_expert_s" in f for f in folds)
+
+
+def test_the_h100_calibration_after_the_fix_is_the_fit_of_its_bundle() -> None:
+    """h100-mps-v2-lite-27-fixed: the four runs of its bundle, at 25 % per rank and 27
+    layers, every coefficient determined (the step records separate the attention terms)."""
+    cal = costs.load("h100-mps-v2-lite-27-fixed")
+    assert (cal.layers, cal.attention_share, cal.ffn_share) == (27, 25.0, 25.0)
+    assert min(cal.attn_fixed_s, cal.attn_token_s, cal.attn_square_s) > 0
+    assert H100_FIXED_RUNS.name in cal.command
+    assert (
+        json.loads((CALIBRATIONS / "h100-mps-v2-lite-27-fixed.json").read_text())["fit"][
+            "not_determined"
+        ]
+        == {}
+    )
+
+
+H100_FIXED_SWEPT: dict[tuple[int, int, float | None], tuple[int, int]] = {
+    (2, 1, None): (26503, 19704),
+    (2, 2, None): (29631, 23250),
+    (3, 1, None): (26167, 23369),
+    (2, 1, 25.0): (28085, 25171),
+    (2, 1, 33.3): (35228, 26145),
+    (2, 1, 40.0): (34990, 25697),
+    (2, 1, 50.0): (30177, 23598),
+    (3, 1, 33.3): (30433, 23902),
+    (2, 2, 20.0): (34426, 25285),
+}
+"""docs/sim.md's sweeps with h100-mps-v2-lite-27-fixed: (A, F, FFN share of one GPU or None
+for a rank per 25 % "GPU") -> async and sync tokens/s."""
+
+
+@pytest.mark.parametrize("one_gpu", [False, True])
+def test_the_sweeps_with_the_h100_calibration_after_the_fix_are_what_docs_sim_published(
+    one_gpu: bool, tmp_path: Path, capsys: Any
+) -> None:
+    """The A:F sweep (one rank per quarter-GPU) and the split of one GPU (--ffn-shares), on
+    the uneven mix at two stages, v2-lite's 27 layers: every published row's async and sync
+    tokens/s, each finite."""
+    out = tmp_path / "sweep.json"
+    argv = ["sim", "sweep", "--calibration", "h100-mps-v2-lite-27-fixed", "--preset",
+            "v2-lite", "--gpus", "3,4", "--modes", "async,sync", "--workload", "uneven",
+            "--requests", "48", "--max-prompt-len", "16384", "--max-num-batched-tokens",
+            "16384", "--stages", "2", "--no-progress", "--json", str(out)]  # fmt: skip
+    if one_gpu:
+        argv += ["--ratios", "2:1,3:1,2:2", "--ffn-shares", "20,25,33.3,40,50"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    got = {
+        (p["attention_ranks"], p["ffn_ranks"], p["ffn_share"], p["mode"]): p["tokens_per_s"]
+        for p in json.loads(out.read_text())["points"]
+    }
+    assert all(math.isfinite(v) for v in got.values())
+    published = {k: v for k, v in H100_FIXED_SWEPT.items() if (k[2] is not None) == one_gpu}
     assert published
     for (a, f, share), (async_tps, sync_tps) in published.items():
         assert round(got[(a, f, share, "async")]) == async_tps, (a, f, share)

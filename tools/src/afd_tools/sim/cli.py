@@ -465,7 +465,7 @@ def run_validate(args: argparse.Namespace) -> int:
         with _bar(len(groups), "folds", args.no_progress) as advance:
             predictions = validation.leave_one_out(runs, args.hold_out, progress=advance, **fit)
     print(validation.table(predictions))
-    for line in validation.gaps(predictions):
+    for line in validation.gaps(predictions, one_fit=args.predict is not None):
         print(line)
     print(validation.verdict(predictions, args.tolerance))
     if args.json is not None:

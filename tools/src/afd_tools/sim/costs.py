@@ -215,6 +215,7 @@ SHIPPED = (
     "h200-mps-quick-v3",
     "h100-mps-v2-lite-27",
     "h200-mps-v3-full",
+    "h100-mps-v2-lite-27-fixed",
 )
 """Calibration files in the package (``afd_tools/sim/calibrations/NAME.json``)."""
 

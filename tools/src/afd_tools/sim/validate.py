@@ -141,12 +141,16 @@ def table(predictions: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
-def gaps(predictions: Sequence[Prediction]) -> list[str]:
-    """One line per held-out configuration whose fold left coefficients undetermined."""
+def gaps(predictions: Sequence[Prediction], one_fit: bool = False) -> list[str]:
+    """One line per held-out configuration whose fold left coefficients undetermined; with
+    ``one_fit`` (``--predict``: every prediction from the one fit on the runs given), one
+    line for that fit."""
     lines: dict[str, str] = {}
     for p in predictions:
         if p.not_determined and p.label not in lines:
             named = "; ".join(f"{k}: {why}" for k, why in p.not_determined.items())
+            if one_fit:
+                return [f"the fit on the runs given: set to 0, {named}"]
             lines[p.label] = f"fold without {p.label}: set to 0, {named}"
     return list(lines.values())
 
