@@ -976,15 +976,39 @@ V3_FULL_SWEPT: dict[tuple[int, int, float | None], tuple[int, int]] = {
 rank per 25 % "GPU") -> async and sync tokens/s."""
 
 
+H100_FIXED_SWEPT: dict[tuple[int, int, float | None], tuple[int, int]] = {
+    (2, 1, None): (26503, 19704),
+    (2, 2, None): (29631, 23250),
+    (3, 1, None): (26167, 23369),
+    (2, 1, 25.0): (28085, 25171),
+    (2, 1, 33.3): (35228, 26145),
+    (2, 1, 40.0): (34990, 25697),
+    (2, 1, 50.0): (30177, 23598),
+    (3, 1, 33.3): (30433, 23902),
+    (2, 2, 20.0): (34426, 25285),
+}
+"""docs/sim.md's sweeps with h100-mps-v2-lite-27-fixed: (A, F, FFN share of one GPU or None
+for a rank per 25 % "GPU") -> async and sync tokens/s."""
+SWEPT_AFTER_THE_FIX = {
+    "h200-mps-v3-full": ("v3-slice", ["--layers", "4"], V3_FULL_SWEPT),
+    "h100-mps-v2-lite-27-fixed": ("v2-lite", [], H100_FIXED_SWEPT),
+}
+"""Each calibration after the lower-right fix whose sweeps docs/sim.md publishes: its preset,
+its layer option and the published rows."""
+
+
 @pytest.mark.parametrize("one_gpu", [False, True])
-def test_the_sweeps_with_the_h200_calibration_after_the_fix_are_what_docs_sim_published(
-    one_gpu: bool, tmp_path: Path, capsys: Any
+@pytest.mark.parametrize("calibration", ["h200-mps-v3-full", "h100-mps-v2-lite-27-fixed"])
+def test_the_sweeps_with_the_calibrations_after_the_fix_are_what_docs_sim_published(
+    calibration: str, one_gpu: bool, tmp_path: Path, capsys: Any
 ) -> None:
     """The A:F sweep (one rank per quarter-GPU) and the split of one GPU (--ffn-shares), on
-    the uneven mix at two stages: every published row's async and sync tokens/s."""
+    the uneven mix at two stages: every published row's async and sync tokens/s, each
+    finite."""
+    preset, layers, swept = SWEPT_AFTER_THE_FIX[calibration]
     out = tmp_path / "sweep.json"
-    argv = ["sim", "sweep", "--calibration", "h200-mps-v3-full", "--preset", "v3-slice",
-            "--layers", "4", "--gpus", "3,4", "--modes", "async,sync", "--workload", "uneven",
+    argv = ["sim", "sweep", "--calibration", calibration, "--preset", preset, *layers,
+            "--gpus", "3,4", "--modes", "async,sync", "--workload", "uneven",
             "--requests", "48", "--max-prompt-len", "16384", "--max-num-batched-tokens",
             "16384", "--stages", "2", "--no-progress", "--json", str(out)]  # fmt: skip
     if one_gpu:
@@ -995,7 +1019,8 @@ def test_the_sweeps_with_the_h200_calibration_after_the_fix_are_what_docs_sim_pu
         (p["attention_ranks"], p["ffn_ranks"], p["ffn_share"], p["mode"]): p["tokens_per_s"]
         for p in json.loads(out.read_text())["points"]
     }
-    published = {k: v for k, v in V3_FULL_SWEPT.items() if (k[2] is not None) == one_gpu}
+    assert all(math.isfinite(v) for v in got.values())
+    published = {k: v for k, v in swept.items() if (k[2] is not None) == one_gpu}
     assert published
     for (a, f, share), (async_tps, sync_tps) in published.items():
         assert round(got[(a, f, share, "async")]) == async_tps, (a, f, share)
@@ -1067,46 +1092,3 @@ def test_the_h100_calibration_after_the_fix_is_the_fit_of_its_bundle() -> None:
         ]
         == {}
     )
-
-
-H100_FIXED_SWEPT: dict[tuple[int, int, float | None], tuple[int, int]] = {
-    (2, 1, None): (26503, 19704),
-    (2, 2, None): (29631, 23250),
-    (3, 1, None): (26167, 23369),
-    (2, 1, 25.0): (28085, 25171),
-    (2, 1, 33.3): (35228, 26145),
-    (2, 1, 40.0): (34990, 25697),
-    (2, 1, 50.0): (30177, 23598),
-    (3, 1, 33.3): (30433, 23902),
-    (2, 2, 20.0): (34426, 25285),
-}
-"""docs/sim.md's sweeps with h100-mps-v2-lite-27-fixed: (A, F, FFN share of one GPU or None
-for a rank per 25 % "GPU") -> async and sync tokens/s."""
-
-
-@pytest.mark.parametrize("one_gpu", [False, True])
-def test_the_sweeps_with_the_h100_calibration_after_the_fix_are_what_docs_sim_published(
-    one_gpu: bool, tmp_path: Path, capsys: Any
-) -> None:
-    """The A:F sweep (one rank per quarter-GPU) and the split of one GPU (--ffn-shares), on
-    the uneven mix at two stages, v2-lite's 27 layers: every published row's async and sync
-    tokens/s, each finite."""
-    out = tmp_path / "sweep.json"
-    argv = ["sim", "sweep", "--calibration", "h100-mps-v2-lite-27-fixed", "--preset",
-            "v2-lite", "--gpus", "3,4", "--modes", "async,sync", "--workload", "uneven",
-            "--requests", "48", "--max-prompt-len", "16384", "--max-num-batched-tokens",
-            "16384", "--stages", "2", "--no-progress", "--json", str(out)]  # fmt: skip
-    if one_gpu:
-        argv += ["--ratios", "2:1,3:1,2:2", "--ffn-shares", "20,25,33.3,40,50"]
-    assert main(argv) == 0
-    capsys.readouterr()
-    got = {
-        (p["attention_ranks"], p["ffn_ranks"], p["ffn_share"], p["mode"]): p["tokens_per_s"]
-        for p in json.loads(out.read_text())["points"]
-    }
-    assert all(math.isfinite(v) for v in got.values())
-    published = {k: v for k, v in H100_FIXED_SWEPT.items() if (k[2] is not None) == one_gpu}
-    assert published
-    for (a, f, share), (async_tps, sync_tps) in published.items():
-        assert round(got[(a, f, share, "async")]) == async_tps, (a, f, share)
-        assert round(got[(a, f, share, "sync")]) == sync_tps, (a, f, share)
