@@ -605,11 +605,15 @@ def test_every_call_of_the_gpu_main_job_makes_jobs_this_benchmark_accepts(
     from afd_transport_nvshmem.mps import VERIFIED_SHARES
 
     calls = _main_job_calls()
-    # Two of the quick size (eager, graph-replayed), thirteen full: v2-lite's depth check,
-    # arrivals, and least-tokens assignment all at once and under arrivals, v3-slice's
-    # arrivals assigned by pull, its balanced mix at 2A1F and 1A1F, and the long mix's 2A2F
-    # and 3A1F as one call with five GPUs or more, as two on fewer (3A1F at 3 layers there).
-    assert len(calls) == 15
+    # Two of the quick size (eager, graph-replayed), fourteen full: v2-lite's depth check,
+    # arrivals, least-tokens assignment all at once and under arrivals, and 2A1F with the
+    # FFN rank at 50 %, v3-slice's arrivals assigned by pull, its balanced mix at 2A1F and
+    # 1A1F, and the long mix's 2A2F and 3A1F as one call with five GPUs or more, as two on
+    # fewer (3A1F at 3 layers there).
+    assert len(calls) == 16
+    split = [argv for name, argv in _main_job_named_calls() if name == "split-v2-lite"]
+    assert split == [["--run-arg=--share-gpus", "--preset", "v2-lite", "--workload", "uneven",
+                      "--layout", "2:1", "--attention-share", "25", "--stages", "2"]]  # fmt: skip
     balanced = [argv for name, argv in _main_job_named_calls() if name == "balanced-1a1f"]
     assert balanced == [["--preset", "v3-slice", "--workload", "balanced", "--layout", "2:1",
                          "--layout", "1:1", "--stages", "2"]]  # fmt: skip
@@ -656,8 +660,8 @@ def test_the_gpu_main_job_explains_itself_and_refuses_an_unknown_argument() -> N
 
 
 FULL_NAMES = ("depth-v2-lite arrivals-v2-lite assign-v2-lite arrivals-assign-v2-lite "
-              "target-long-3a1f arrivals arrivals-pull split-2a1f target-long target-2a1f "
-              "balanced-1a1f full")  # fmt: skip
+              "split-v2-lite target-long-3a1f arrivals arrivals-pull split-2a1f target-long "
+              "target-2a1f balanced-1a1f full")  # fmt: skip
 """tools/gpu/main-job --full's benchmarks, in its order, as its messages list them."""
 
 
@@ -758,8 +762,8 @@ def test_main_job_only_runs_the_named_benchmarks_in_the_scripts_order(tmp_path: 
     assert names == ["target-long-3a1f", "arrivals", "split-2a1f"]
     assert "--warm-up off" not in calls[0]  # the sitting's first run still warms up
     skipped_here = ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite",
-                    "arrivals-assign-v2-lite", "arrivals-pull", "target-long", "target-2a1f",
-                    "balanced-1a1f", "full"]  # fmt: skip
+                    "arrivals-assign-v2-lite", "split-v2-lite", "arrivals-pull", "target-long",
+                    "target-2a1f", "balanced-1a1f", "full"]  # fmt: skip
     for skipped in skipped_here:
         assert f"[main-job] {skipped}: not in MAIN_JOB_ONLY, skipped" in out
     (tmp_path / "all").mkdir()
@@ -816,11 +820,12 @@ def test_the_full_main_job_skips_v3_slice_by_name_on_a_gpu_too_small_for_it(
     both presets runs v2-lite alone."""
     out, calls, names = _run_full_main_job(tmp_path, 79)
     assert names == ["depth-v2-lite", "arrivals-v2-lite", "assign-v2-lite",
-                     "arrivals-assign-v2-lite", "full"]  # fmt: skip
+                     "arrivals-assign-v2-lite", "split-v2-lite", "full"]  # fmt: skip
     assert all("v3-slice" not in call for call in calls)
     assert "--layout 3:1 --layout 2:1 --stages 2 --run-arg=--assign=least-tokens" in calls[2]
     assert "--rate 4 --ttft-slo 2 --run-arg=--assign=least-tokens" in calls[3]
-    assert "--preset v2-lite --workload uneven --workload uniform" in calls[4]
+    assert "--preset v2-lite --workload uneven --layout 2:1 --attention-share 25" in calls[4]
+    assert "--preset v2-lite --workload uneven --workload uniform" in calls[5]
     v3_only = ["target-long-3a1f", "arrivals", "arrivals-pull", "split-2a1f", "target-long",
                "target-2a1f", "balanced-1a1f"]  # fmt: skip
     for skipped in v3_only:
