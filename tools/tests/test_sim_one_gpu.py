@@ -1092,3 +1092,32 @@ def test_the_h100_calibration_after_the_fix_is_the_fit_of_its_bundle() -> None:
         ]
         == {}
     )
+
+
+@pytest.mark.parametrize(
+    ("ffn_share", "rate", "assign", "expected"),
+    [(50, None, "round-robin", {"async": (30177, 3.23, 6.42), "sync": (23598, 4.21, 8.21)}),
+     (25, None, "round-robin", {"async": (26503, 3.83, 7.31), "sync": (19704, 5.03, 9.83)}),
+     (25, 4, "round-robin", {"async": (17296, 0.67, 2.73), "sync": (14547, 2.45, 6.48)}),
+     (25, 2, "round-robin", {"async": (8703, 0.37, 2.03), "sync": (8677, 1.25, 3.44)}),
+     (25, 4, "least-tokens", {"async": (17296, 0.75, 2.39), "sync": (15499, 2.26, 5.06)})],
+)  # fmt: skip
+def test_the_h100_projections_after_the_fix_are_what_docs_sim_published(
+    ffn_share: int,
+    rate: int | None,
+    assign: str,
+    expected: dict[str, tuple[int, float, float]],
+    tmp_path: Path,
+    capsys: Any,
+) -> None:
+    """docs/sim.md's projection of split-v2-lite and of arrivals-v2-lite after the fix
+    (h100-mps-v2-lite-27-fixed, v2-lite 27 layers, 2A1F, two stages), written before the
+    GPU runs, beside the two rows of its fit."""
+    out = tmp_path / "sim.json"
+    argv = ["sim", "--calibration", "h100-mps-v2-lite-27-fixed", "--preset", "v2-lite",
+            "--attention-ranks", "2", "--ffn-ranks", "1", "--workload", "uneven",
+            "--requests", "48", "--max-prompt-len", "16384", "--max-num-batched-tokens",
+            "16384", "--stages", "2", "--mode", "all", "--colocated", "dp",
+            "--attention-share", "25", "--ffn-share", str(ffn_share), "--assign", assign,
+            "--json", str(out)]  # fmt: skip
+    _assert_projected(argv, rate, out, expected, capsys)
