@@ -708,11 +708,20 @@ def test_the_assignment_projections_are_what_docs_sim_published(
     (requests balanced by tokens given, beside round-robin), written before the GPU runs:
     per mode, tokens/s and TTFT p50 and p99."""
     out = tmp_path / "sim.json"
-    argv = ["sim", *H100_V2_LITE, "--attention-ranks", str(attention_ranks), "--ffn-ranks",
+    argv = _v2_lite_27_uneven_at_two_stages(H100_V2_LITE, attention_ranks, assign, out)
+    _assert_projected(argv, rate, out, expected, capsys)
+
+
+def _v2_lite_27_uneven_at_two_stages(
+    calibration: list[str], attention_ranks: int, assign: str, out: Path
+) -> list[str]:
+    """``afd sim`` with ``calibration``'s options: v2-lite's 27 layers, A:1F, the 48 uneven
+    requests up to 16K of the H100's main-job rows, two stages, every mode, JSON at
+    ``out``."""
+    return ["sim", *calibration, "--attention-ranks", str(attention_ranks), "--ffn-ranks",
             "1", "--workload", "uneven", "--requests", "48", "--max-prompt-len", "16384",
             "--max-num-batched-tokens", "16384", "--stages", "2", "--mode", "all",
             "--assign", assign, "--json", str(out)]  # fmt: skip
-    _assert_projected(argv, rate, out, expected, capsys)
 
 
 @pytest.mark.parametrize(
@@ -1114,10 +1123,7 @@ def test_the_h100_projections_after_the_fix_are_what_docs_sim_published(
     (h100-mps-v2-lite-27-fixed, v2-lite 27 layers, 2A1F, two stages), written before the
     GPU runs, beside the two rows of its fit."""
     out = tmp_path / "sim.json"
-    argv = ["sim", "--calibration", "h100-mps-v2-lite-27-fixed", "--preset", "v2-lite",
-            "--attention-ranks", "2", "--ffn-ranks", "1", "--workload", "uneven",
-            "--requests", "48", "--max-prompt-len", "16384", "--max-num-batched-tokens",
-            "16384", "--stages", "2", "--mode", "all", "--colocated", "dp",
-            "--attention-share", "25", "--ffn-share", str(ffn_share), "--assign", assign,
-            "--json", str(out)]  # fmt: skip
+    fixed = ["--calibration", "h100-mps-v2-lite-27-fixed", "--preset", "v2-lite",
+             "--attention-share", "25", "--ffn-share", str(ffn_share)]  # fmt: skip
+    argv = _v2_lite_27_uneven_at_two_stages(fixed, 2, assign, out)
     _assert_projected(argv, rate, out, expected, capsys)
