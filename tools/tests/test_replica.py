@@ -525,6 +525,13 @@ def test_run_phases_split_a_launch_at_its_first_mode_start_and_last_request_end(
     assert phases.describe() == (
         "start-up and warm-up 4.5 s, modes 4.5 s, stop 0.5 s, verification 2.2 s"
     )
+    # the verification's parts follow its total, where it timed any
+    phases.verification.seconds = {"replays": 1.0, "twin": 0.75, "confirmations": 0.25}
+    phases.verification.counts = {"replays": 2, "twin": 1, "confirmations": 1}
+    assert phases.describe() == (
+        "start-up and warm-up 4.5 s, modes 4.5 s, stop 0.5 s, verification 2.2 s [2 replays "
+        "1.0 s, 1 confirming replay 0.2 s, float32 twin built 0.8 s]"
+    )
 
 
 def test_run_phases_split_the_start_up_where_the_replicas_marked_it() -> None:

@@ -26,6 +26,7 @@ from afd_tools.run.verify import (
     RequestCheck,
     RoutingCounts,
     Verdict,
+    VerificationTimes,
     WrongExpert,
     check_request,
     replay_replica,
@@ -370,13 +371,16 @@ class _FlakyReference:
 
 
 def _verify_with(
-    reference: Any, result: ModeResult, tolerance: float | None
+    reference: Any,
+    result: ModeResult,
+    tolerance: float | None,
+    times: VerificationTimes | None = None,
 ) -> tuple[Any, list[str]]:
     notes: list[str] = []
     values = [{"async": result, "sync": result}]
     checks = verify(
         reference, [(["async", "sync"], [], values, [])], prompts(reference.model), MARGIN,
-        tolerance, notes,
+        tolerance, notes, times=times,
     )  # fmt: skip
     return checks, notes
 
@@ -388,8 +392,11 @@ def test_a_reference_replay_that_went_wrong_once_is_replayed_and_named(
     agree: the run is checked against them and passes, with a note. Without a tolerance
     (no confirmation) the same run fails: the check above can fail."""
     result = run_steps(model)
-    checks, notes = _verify_with(_FlakyReference(model, {0, 1}), result, 1e-5)
+    times = VerificationTimes()
+    checks, notes = _verify_with(_FlakyReference(model, {0, 1}), result, 1e-5, times)
     assert all(c.error == 0.0 for mode in checks.values() for c in mode.values()), checks
+    # async's replay, then its second and third (confirming); sync reuses the third
+    assert times.counts == {"replays": 1, "confirmations": 2, "exchanges": 2}
     assert len(notes) == 1, notes
     assert notes[0].startswith(
         "the reference's first replay of the replica with requests [0, 1, 2] differed from "
@@ -409,12 +416,19 @@ def test_a_run_that_differs_fails_against_a_replay_that_reproduces(
     result = run_steps(model)
     result.last_hidden[1] = result.last_hidden[1] * (1 + 1e-4)
     reference = _FlakyReference(model, set())
-    checks, notes = _verify_with(reference, result, 1e-5)
+    times = VerificationTimes()
+    checks, notes = _verify_with(reference, result, 1e-5, times)
     for mode in ("async", "sync"):
         assert checks[mode][1].problem(1e-5) == "relative error 1.00e-04", checks[mode][1]
         assert checks[mode][0].error == checks[mode][2].error == 0.0
     assert notes == []
     assert reference.calls == 2 * 2 + 2  # async: replay + confirmation; sync: confirmation
+    assert times.counts == {"replays": 1, "confirmations": 2, "exchanges": 2}
+    assert times.describe() == (
+        f"1 replay {times.seconds['replays']:.1f} s, 2 confirming replays "
+        f"{times.seconds['confirmations']:.1f} s, exchanges of 2 replicas "
+        f"{times.seconds['exchanges']:.1f} s"
+    )
 
 
 def test_replays_that_never_agree_leave_the_failure_and_say_so(model: MonolithicModel) -> None:
@@ -426,3 +440,18 @@ def test_replays_that_never_agree_leave_the_failure_and_say_so(model: Monolithic
         "the reference's replays of the replica with requests [0, 1, 2] differ from each "
         "other (three replays); checked against the first"
     )
+
+
+def test_verification_times_count_only_parts_that_finished_and_refuse_unknown_ones() -> None:
+    """A timed block that raises is not counted (its exception passes through); a part
+    outside PARTS is refused; nothing timed describes as nothing."""
+    times = VerificationTimes()
+    assert times.describe() == ""
+    with times.timed("twin"):
+        pass
+    with pytest.raises(torch.OutOfMemoryError), times.timed("twin replays"):
+        raise torch.OutOfMemoryError("no room")
+    assert times.counts == {"twin": 1}
+    assert times.describe() == f"float32 twin built {times.seconds['twin']:.1f} s"
+    with pytest.raises(ValueError, match="part must be one of"), times.timed("warm-up"):
+        pass

@@ -42,6 +42,7 @@ from afd_tools.run.verify import (
     RequestCheck,
     TwinCheck,
     Verdict,
+    VerificationTimes,
     verify,
 )
 
@@ -195,10 +196,24 @@ def test_the_reference_is_released_before_the_twin_is_built(reference: Monolithi
         alive.append(held[0]() is not None)
         return build()
 
+    times = VerificationTimes()
     released = verify(
-        ReferenceBuilder(own_reference), outcomes, prompts(), MARGIN, TOL, None, twin_after_release
-    )
+        ReferenceBuilder(own_reference), outcomes, prompts(), MARGIN, TOL, None,
+        twin_after_release, times=times,
+    )  # fmt: skip
     assert alive == [False]  # built once, after the reference was freed
+    # Timed: the reference and the twin built once each; per mode one replay (the run
+    # followed near ties, so the other mode cannot reuse it), one confirmation of its failing
+    # replica (the reference reproduces: no third), its exchanges and one twin replay.
+    assert times.counts == {"reference": 1, "replays": 2, "confirmations": 2, "exchanges": 2,
+                            "twin": 1, "twin replays": 2}  # fmt: skip
+    assert all(math.isfinite(t) and t >= 0 for t in times.seconds.values())
+    shown = times.describe()
+    assert shown.startswith("reference built ")
+    assert ", 2 replays " in shown
+    assert ", 2 confirming replays " in shown
+    assert ", float32 twin built " in shown
+    assert shown.endswith(f", 2 twin replays {times.seconds['twin replays']:.1f} s")
     assert released == kept
     assert set(released) == {"async", "sync"}
     # A twin check exactly where a request missed the tolerance (which requests miss

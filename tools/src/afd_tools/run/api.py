@@ -40,6 +40,7 @@ from afd_tools.run.launches import SPAWN, Outcome, launches
 from afd_tools.run.plan import RunPlan, prepare
 from afd_tools.run.sharing import describe_sharing
 from afd_tools.run.verify import Checks, ReferenceBuilder, Verdict, verify
+from afd_tools.run.verify_times import VerificationTimes
 
 
 @dataclass
@@ -64,6 +65,8 @@ class RunPhases:
     warm_up_s: float = 0.0
     split_launches: int = 0
     """Launches whose start-up is split into the three above."""
+    verification: VerificationTimes = field(default_factory=VerificationTimes)
+    """Where the verification's time went (its parts, in brackets after its total)."""
 
     def add_launch(self, launched: float, outcome: Outcome, ended: float) -> None:
         """Add one launch, begun at ``launched`` and ended at ``ended`` (monotonic)."""
@@ -88,16 +91,19 @@ class RunPhases:
 
     def describe(self) -> str:
         """``start-up and warm-up 9.1 s, modes 2.0 s, stop 0.4 s, verification 5.2 s``;
-        where the start-up was split, the split follows it in brackets."""
+        where the start-up was split, the split follows it in brackets, and the
+        verification's parts (:meth:`VerificationTimes.describe`) follow it."""
         split = (
             f" [per replica: processes and transport {self.processes_s:.1f} s, model "
             f"{self.models_s:.1f} s, warm-up {self.warm_up_s:.1f} s]"
             if self.split_launches
             else ""
         )
+        parts = self.verification.describe()
         return (
             f"start-up and warm-up {self.start_s:.1f} s{split}, modes {self.modes_s:.1f} s, "
             f"stop {self.stop_s:.1f} s, verification {self.verification_s:.1f} s"
+            + (f" [{parts}]" if parts else "")
         )
 
 
@@ -142,7 +148,7 @@ def execute(plan: RunPlan, on_request: Callable[[], None] | None = None) -> RunR
             outcomes.append(outcome)
     served = _served(outcomes)  # first: every request prefilled exactly once in every mode
     checked = time.monotonic()
-    verdict = Verdict(_verify(plan, outcomes), job.tolerance, job.margin)
+    verdict = Verdict(_verify(plan, outcomes, phases.verification), job.tolerance, job.margin)
     phases.verification_s = time.monotonic() - checked
     summaries: dict[str, ModeSummary] = {}
     for group_modes, group_requests, values, intervals in outcomes:
@@ -221,12 +227,12 @@ def _forward_progress(
             on_request()
 
 
-def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
+def _verify(plan: RunPlan, outcomes: list[Outcome], times: VerificationTimes) -> Checks:
     """Check every request of every mode against the monolithic model on the first
     attention replica's device, with the FFN ranks' expert backend, replaying each
     replica's own steps and following its expert choice at routing near ties; in bfloat16 a
     request that misses the tolerance is checked against the float32 twin too
-    (:mod:`afd_tools.run.verify`)."""
+    (:mod:`afd_tools.run.verify`); ``times`` receives where the time went."""
     job, config = plan.job, plan.config
     dtype = getattr(torch, job.resolved("dtype"))
     device = plan.placement.attention[0]
@@ -261,6 +267,7 @@ def _verify(plan: RunPlan, outcomes: list[Outcome]) -> Checks:
         twin if lower else None,
         job.exchange_tolerance,
         job.tie_margin_from,
+        times,
     )
     for note in notes:
         print(f"afd run: verification: {note}", file=sys.stderr, flush=True)

@@ -63,6 +63,7 @@ from afd_models import KVCache, MonolithicModel, PromptChunk
 from afd_protocol import relative_error
 from afd_tools.run.exchanges import PROBES_PER_CHUNK, row_owners
 from afd_tools.run.routing import RoutingError, TieFollower, differs, gap_drift
+from afd_tools.run.verify_times import VerificationTimes
 
 TIE_MARGIN = {"float32": 2.0**-16, "bfloat16": 2.0**-3}
 """Largest relative gap (:meth:`afd_models.Selection.tie_gaps`) at which a routing
@@ -781,6 +782,9 @@ class Verifier:
     evidence: list[TieEvidence] = field(default_factory=list)
     """Per replica checked, in order: its :class:`TieEvidence`, for
     :func:`apply_drift_margins` once its mode's replicas are all checked."""
+    times: VerificationTimes = field(default_factory=VerificationTimes)
+    """Where the verification's time went: each replay, confirmation, exchange check and
+    the twin's build and replays, timed."""
     _plain: dict[tuple[Any, ...], ReplicaReplay] = field(default_factory=dict)
     _pending: list[_TwinJob] = field(default_factory=list, init=False, repr=False)
     _twin: MonolithicModel | None = field(default=None, init=False, repr=False)
@@ -799,7 +803,8 @@ class Verifier:
         plain = self._plain.get(key)
         if plain is not None and (routing is None or plain.agrees_with(routing)):
             return plain
-        replay = replay_replica(self._model(), prompts, steps, routing, self.margin)
+        with self.times.timed("replays"):
+            replay = replay_replica(self._model(), prompts, steps, routing, self.margin)
         if not replay.disagreed:  # it routed as a plain replay does: reusable
             self._plain[key] = replay
         return replay
@@ -814,9 +819,10 @@ class Verifier:
         """Every finished request of one replica's :class:`~afd_tools.run.replica.ModeResult`
         against the reference. Requests that miss the tolerance alone are kept for
         :meth:`twin_pass`, which adds their twin checks to the dict returned here."""
-        exchanges, probed = _check_exchanges(
-            self._model(), result, layer_tie_margin(self.margin), self.exchange_tolerance
-        )
+        with self.times.timed("exchanges"):
+            exchanges, probed = _check_exchanges(
+                self._model(), result, layer_tie_margin(self.margin), self.exchange_tolerance
+            )
         recorded = getattr(result, "routing", None) or None
         replay = self.replica(prompts, result.steps, recorded)
         checks = self._against(replay, result, exchanges)
@@ -842,10 +848,12 @@ class Verifier:
     ) -> ReplicaReplay:
         """The replay a failing replica is judged against: ``replay`` where a second one
         reproduces it (or a third disagrees with the second), else the later two's."""
-        again = replay_replica(self._model(), prompts, result.steps, recorded, self.margin)
+        with self.times.timed("confirmations"):
+            again = replay_replica(self._model(), prompts, result.steps, recorded, self.margin)
         if same_replay(replay, again):
             return replay  # the reference reproduces: the failure stands
-        third = replay_replica(self._model(), prompts, result.steps, recorded, self.margin)
+        with self.times.timed("confirmations"):
+            third = replay_replica(self._model(), prompts, result.steps, recorded, self.margin)
         requests = sorted(result.last_hidden)
         if not same_replay(again, third):
             self.notes.append(
@@ -882,9 +890,10 @@ class Verifier:
             if twin is None:
                 return
             try:
-                mirrored = replay_replica(
-                    twin, job.prompts, job.result.steps, job.recorded, self.margin
-                )
+                with self.times.timed("twin replays"):
+                    mirrored = replay_replica(
+                        twin, job.prompts, job.result.steps, job.recorded, self.margin
+                    )
             except torch.OutOfMemoryError as exc:
                 self._out_of_memory(exc)
                 return
@@ -913,7 +922,8 @@ class Verifier:
         if self._twin is None and not self._twin_failed:
             assert self.twin is not None
             try:
-                self._twin = self.twin()
+                with self.times.timed("twin"):
+                    self._twin = self.twin()
             except torch.OutOfMemoryError as exc:
                 self._out_of_memory(exc)
         return self._twin
@@ -1397,6 +1407,7 @@ def verify(
     twin: Callable[[], MonolithicModel] | None = None,
     exchange_tolerance: float | None = None,
     tie_margin_from: str | None = None,
+    times: VerificationTimes | None = None,
 ) -> Checks:
     """Check every request of every mode of ``outcomes`` (per launch: modes, requests,
     per-replica results by mode, FFN intervals) against ``reference``; with a
@@ -1413,15 +1424,20 @@ def verify(
     ``reference`` is the model, or a :class:`ReferenceBuilder`: a model built here is held
     by the verifier alone and dropped before the twin is built, so the two need not fit in
     device memory together (v2-lite's 27 bf16 layers and their twin do not fit an H100).
-    A model passed in stays alive (the caller holds it) beside the twin."""
+    A model passed in stays alive (the caller holds it) beside the twin. ``times``, where
+    given, receives where the verification's time went (:class:`VerificationTimes`)."""
     rule = TIE_MARGIN_FROM if tie_margin_from is None else tie_margin_from
     if rule not in TIE_MARGIN_SOURCES:
         raise ValueError(f"tie_margin_from must be one of {TIE_MARGIN_SOURCES}, got {rule!r}")
+    times = VerificationTimes() if times is None else times
     if isinstance(reference, ReferenceBuilder):
-        model, built = reference.build(), True
+        with times.timed("reference"):
+            model, built = reference.build(), True
     else:
         model, built = reference, False
-    verifier = Verifier(model, margin, tolerance, twin, exchange_tolerance, release_reference=built)
+    verifier = Verifier(
+        model, margin, tolerance, twin, exchange_tolerance, release_reference=built, times=times
+    )
     layers = model.config.moe_layers
     del model, reference
     parts: dict[str, list[dict[int, RequestCheck]]] = {}
@@ -1471,6 +1487,7 @@ __all__ = [
     "TieEvidence",
     "TwinCheck",
     "Verdict",
+    "VerificationTimes",
     "Verifier",
     "WrongExpert",
     "apply_drift_margins",
