@@ -1035,3 +1035,63 @@ def test_the_kept_h100_state_resumes_the_main_jobs_benchmarks_on_an_80_gb_gpu(
     full, kept = named["full"], _kept_run_args(named["full"], run_args)
     with pytest.raises(ResumeError, match="another matrix"):
         resumed_runs(state / "full.json", plan(full), FULL, None, kept, 0)
+
+
+def test_main_job_rerun_measures_named_benchmarks_again_and_resumes_the_rest(
+    tmp_path: Path,
+) -> None:
+    """MAIN_JOB_RERUN: the named benchmark's kept results are not copied from MAIN_JOB_FROM
+    (so afd bench prefill --resume starts it afresh), with a line saying so; the others
+    are copied and resumed as before."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in ("depth-v2-lite", "arrivals-v2-lite"):
+        (kept / f"{name}.json").write_text('{"runs": []}')
+    env = {"MAIN_JOB_FROM": str(kept), "MAIN_JOB_RERUN": "arrivals-v2-lite",
+           "MAIN_JOB_ONLY": "depth-v2-lite arrivals-v2-lite"}  # fmt: skip
+    done, record = _main_job_with_probe(tmp_path, "1 79", env)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    assert (out / "depth-v2-lite.json").read_text() == '{"runs": []}'
+    assert not (out / "arrivals-v2-lite.json").exists()
+    assert (f"[main-job] arrivals-v2-lite: MAIN_JOB_RERUN, measured again (not resumed from "
+            f"{kept}/arrivals-v2-lite.json)") in done.stdout  # fmt: skip
+    calls = record.read_text().splitlines()
+    assert [re.search(r"--json \S+/([\w-]+)\.json", c).group(1) for c in calls] == [  # type: ignore[union-attr]
+        "depth-v2-lite",
+        "arrivals-v2-lite",
+    ]
+    assert all("--resume" in call for call in calls)
+
+
+@pytest.mark.parametrize(
+    ("env", "held", "message"),
+    [
+        ({"MAIN_JOB_RERUN": "arrivals-v2-lite"}, False,
+         "MAIN_JOB_RERUN leaves results out of MAIN_JOB_FROM's; without MAIN_JOB_FROM every "
+         "benchmark starts afresh: drop MAIN_JOB_RERUN"),
+        ({"MAIN_JOB_RERUN": "arrivals-v2", "MAIN_JOB_FROM": "KEPT"}, False,
+         f"MAIN_JOB_RERUN names 'arrivals-v2', which is no benchmark of --full (names: "
+         f"{FULL_NAMES})"),
+        ({"MAIN_JOB_RERUN": "arrivals-v2-lite", "MAIN_JOB_FROM": "KEPT"}, True,
+         "MAIN_JOB_RERUN names 'arrivals-v2-lite', but OUT/arrivals-v2-lite.json is already "
+         "there and would be resumed: give an OUT without it"),
+    ],
+)  # fmt: skip
+def test_main_job_rerun_refuses_what_it_cannot_do(
+    tmp_path: Path, env: dict[str, str], held: bool, message: str
+) -> None:
+    """Without MAIN_JOB_FROM, with a name that is no benchmark, or where OUT already holds
+    the benchmark's results (they would be resumed): exit 2 with what to change, before any
+    benchmark runs."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    out = tmp_path / "out"
+    if held:
+        out.mkdir()
+        (out / "arrivals-v2-lite.json").write_text('{"runs": []}')
+    env = {k: v.replace("KEPT", str(kept)) for k, v in env.items()}
+    done, record = _main_job_with_probe(tmp_path, "1 79", env)
+    assert done.returncode == 2
+    assert done.stderr == f"tools/gpu/main-job: {message.replace('OUT/', f'{out}/')}\n"
+    assert not record.exists()
