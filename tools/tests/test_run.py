@@ -45,11 +45,19 @@ def test_all_modes_verify_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     took = re.search(
         r"; (\d+) s \(start-up and warm-up ([\d.]+) s \[per replica: processes and transport "
         r"([\d.]+) s, model ([\d.]+) s, warm-up ([\d.]+) s\], modes ([\d.]+) s, stop ([\d.]+) s, "
-        r"verification ([\d.]+) s\)$",
+        r"verification ([\d.]+) s \[(.*)\]\)$",
         out.strip().splitlines()[-1],
     )
     assert took is not None, out.strip().splitlines()[-1]
-    total, start, processes, model, warm_up, *phases = (float(v) for v in took.groups())
+    *figures, parts = took.groups()
+    total, start, processes, model, warm_up, *phases = (float(v) for v in figures)
+    # The verification's parts: the reference built here, replayed, the exchanges checked;
+    # together no more than its total (each rounded to 0.1 s).
+    seconds = [float(v) for v in re.findall(r" ([\d.]+) s(?:, |$)", parts)]
+    assert parts.startswith("reference built "), parts
+    assert " replay" in parts, parts
+    assert "exchanges of " in parts, parts
+    assert sum(seconds) <= phases[-1] + 0.05 * len(seconds) + 0.05, parts
     assert start + sum(phases) <= total + 1.0  # each rounded to 0.1 s, the total to 1 s
     assert start > 0.0  # the ranks take time to start
     assert processes > 0.0  # spawning and importing take time; a tiny model may round to 0
