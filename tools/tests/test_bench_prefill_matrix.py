@@ -1073,6 +1073,11 @@ def test_main_job_rerun_measures_named_benchmarks_again_and_resumes_the_rest(
         ({"MAIN_JOB_RERUN": "arrivals-v2", "MAIN_JOB_FROM": "KEPT"}, False,
          f"MAIN_JOB_RERUN names 'arrivals-v2', which is no benchmark of --full (names: "
          f"{FULL_NAMES})"),
+        ({"MAIN_JOB_RERUN": "arrivals-v2-lite", "MAIN_JOB_FROM": "KEPT",
+          "MAIN_JOB_ONLY": "depth-v2-lite"}, False,
+         "MAIN_JOB_RERUN names 'arrivals-v2-lite', which MAIN_JOB_ONLY does not: it would be "
+         "neither resumed nor measured (its results missing from OUT); add it to MAIN_JOB_ONLY "
+         "or drop it from MAIN_JOB_RERUN"),
         ({"MAIN_JOB_RERUN": "arrivals-v2-lite", "MAIN_JOB_FROM": "KEPT"}, True,
          "MAIN_JOB_RERUN names 'arrivals-v2-lite', but OUT/arrivals-v2-lite.json is already "
          "there and would be resumed: give an OUT without it"),
@@ -1081,9 +1086,9 @@ def test_main_job_rerun_measures_named_benchmarks_again_and_resumes_the_rest(
 def test_main_job_rerun_refuses_what_it_cannot_do(
     tmp_path: Path, env: dict[str, str], held: bool, message: str
 ) -> None:
-    """Without MAIN_JOB_FROM, with a name that is no benchmark, or where OUT already holds
-    the benchmark's results (they would be resumed): exit 2 with what to change, before any
-    benchmark runs."""
+    """Without MAIN_JOB_FROM, with a name that is no benchmark or that MAIN_JOB_ONLY leaves
+    out (neither resumed nor measured), or where OUT already holds the benchmark's results
+    (they would be resumed): exit 2 with what to change, before any benchmark runs."""
     kept = tmp_path / "kept"
     kept.mkdir()
     out = tmp_path / "out"
