@@ -687,16 +687,42 @@ def _assert_projected(
         assert summary.ttft_p99 == pytest.approx(p99, abs=0.005)
 
 
+def _fixed(ffn_share: int) -> list[str]:
+    """h100-mps-v2-lite-27-fixed's options with every attention rank at 25 % of the SMs and
+    the FFN rank at ``ffn_share``."""
+    return ["--calibration", "h100-mps-v2-lite-27-fixed", "--preset", "v2-lite",
+            "--attention-share", "25", "--ffn-share", str(ffn_share)]  # fmt: skip
+
+
+BEFORE, RR, LT = H100_V2_LITE, "round-robin", "least-tokens"
+V2_LITE_27_PROJECTED: list[
+    tuple[list[str], int, int | None, str, dict[str, tuple[int, float, float]]]
+] = [
+    # main-job's assign-v2-lite and arrivals-assign-v2-lite (requests balanced by tokens
+    # given, beside round-robin), with the fit from before the lower-right fix
+    (BEFORE, 3, None, RR, {"async": (25281, 3.30, 7.66), "sync": (20895, 3.65, 9.27)}),
+    (BEFORE, 3, None, LT, {"async": (28323, 4.90, 6.84), "sync": (24990, 5.81, 7.75)}),
+    (BEFORE, 2, None, RR, {"async": (22686, 4.43, 8.54), "sync": (17289, 5.75, 11.20)}),
+    (BEFORE, 2, None, LT, {"async": (23113, 5.58, 8.38), "sync": (16770, 7.95, 11.55)}),
+    (BEFORE, 2, 4, RR, {"async": (16447, 1.36, 4.81), "sync": (12905, 3.68, 8.11)}),
+    (BEFORE, 2, 4, LT, {"async": (16988, 1.13, 3.24), "sync": (13519, 3.50, 6.76)}),
+    # split-v2-lite and arrivals-v2-lite after the fix, beside the two rows of its fit
+    (_fixed(50), 2, None, RR, {"async": (30177, 3.23, 6.42), "sync": (23598, 4.21, 8.21)}),
+    (_fixed(25), 2, None, RR, {"async": (26503, 3.83, 7.31), "sync": (19704, 5.03, 9.83)}),
+    (_fixed(25), 2, 4, RR, {"async": (17296, 0.67, 2.73), "sync": (14547, 2.45, 6.48)}),
+    (_fixed(25), 2, 2, RR, {"async": (8703, 0.37, 2.03), "sync": (8677, 1.25, 3.44)}),
+    (_fixed(25), 2, 4, LT, {"async": (17296, 0.75, 2.39), "sync": (15499, 2.26, 5.06)}),
+]  # fmt: skip
+"""docs/sim.md's projections at v2-lite's 27 layers on the H100, each written before its GPU
+run: (calibration options, attention ranks, rate or all at once, assignment, per mode
+tokens/s and TTFT p50 and p99)."""
+
+
 @pytest.mark.parametrize(
-    ("attention_ranks", "rate", "assign", "expected"),
-    [(3, None, "round-robin", {"async": (25281, 3.30, 7.66), "sync": (20895, 3.65, 9.27)}),
-     (3, None, "least-tokens", {"async": (28323, 4.90, 6.84), "sync": (24990, 5.81, 7.75)}),
-     (2, None, "round-robin", {"async": (22686, 4.43, 8.54), "sync": (17289, 5.75, 11.20)}),
-     (2, None, "least-tokens", {"async": (23113, 5.58, 8.38), "sync": (16770, 7.95, 11.55)}),
-     (2, 4, "round-robin", {"async": (16447, 1.36, 4.81), "sync": (12905, 3.68, 8.11)}),
-     (2, 4, "least-tokens", {"async": (16988, 1.13, 3.24), "sync": (13519, 3.50, 6.76)})],
-)  # fmt: skip
-def test_the_assignment_projections_are_what_docs_sim_published(
+    ("calibration", "attention_ranks", "rate", "assign", "expected"), V2_LITE_27_PROJECTED
+)
+def test_the_v2_lite_27_projections_are_what_docs_sim_published(
+    calibration: list[str],
     attention_ranks: int,
     rate: int | None,
     assign: str,
@@ -704,24 +730,14 @@ def test_the_assignment_projections_are_what_docs_sim_published(
     tmp_path: Path,
     capsys: Any,
 ) -> None:
-    """docs/sim.md's projection for main-job's assign-v2-lite and arrivals-assign-v2-lite
-    (requests balanced by tokens given, beside round-robin), written before the GPU runs:
-    per mode, tokens/s and TTFT p50 and p99."""
+    """:data:`V2_LITE_27_PROJECTED`: the 48 uneven requests up to 16K of the H100's
+    main-job rows, A:1F, two stages, every mode; per mode tokens/s and TTFT p50 and p99."""
     out = tmp_path / "sim.json"
-    argv = _v2_lite_27_uneven_at_two_stages(H100_V2_LITE, attention_ranks, assign, out)
-    _assert_projected(argv, rate, out, expected, capsys)
-
-
-def _v2_lite_27_uneven_at_two_stages(
-    calibration: list[str], attention_ranks: int, assign: str, out: Path
-) -> list[str]:
-    """``afd sim`` with ``calibration``'s options: v2-lite's 27 layers, A:1F, the 48 uneven
-    requests up to 16K of the H100's main-job rows, two stages, every mode, JSON at
-    ``out``."""
-    return ["sim", *calibration, "--attention-ranks", str(attention_ranks), "--ffn-ranks",
+    argv = ["sim", *calibration, "--attention-ranks", str(attention_ranks), "--ffn-ranks",
             "1", "--workload", "uneven", "--requests", "48", "--max-prompt-len", "16384",
             "--max-num-batched-tokens", "16384", "--stages", "2", "--mode", "all",
             "--assign", assign, "--json", str(out)]  # fmt: skip
+    _assert_projected(argv, rate, out, expected, capsys)
 
 
 @pytest.mark.parametrize(
@@ -1101,29 +1117,3 @@ def test_the_h100_calibration_after_the_fix_is_the_fit_of_its_bundle() -> None:
         ]
         == {}
     )
-
-
-@pytest.mark.parametrize(
-    ("ffn_share", "rate", "assign", "expected"),
-    [(50, None, "round-robin", {"async": (30177, 3.23, 6.42), "sync": (23598, 4.21, 8.21)}),
-     (25, None, "round-robin", {"async": (26503, 3.83, 7.31), "sync": (19704, 5.03, 9.83)}),
-     (25, 4, "round-robin", {"async": (17296, 0.67, 2.73), "sync": (14547, 2.45, 6.48)}),
-     (25, 2, "round-robin", {"async": (8703, 0.37, 2.03), "sync": (8677, 1.25, 3.44)}),
-     (25, 4, "least-tokens", {"async": (17296, 0.75, 2.39), "sync": (15499, 2.26, 5.06)})],
-)  # fmt: skip
-def test_the_h100_projections_after_the_fix_are_what_docs_sim_published(
-    ffn_share: int,
-    rate: int | None,
-    assign: str,
-    expected: dict[str, tuple[int, float, float]],
-    tmp_path: Path,
-    capsys: Any,
-) -> None:
-    """docs/sim.md's projection of split-v2-lite and of arrivals-v2-lite after the fix
-    (h100-mps-v2-lite-27-fixed, v2-lite 27 layers, 2A1F, two stages), written before the
-    GPU runs, beside the two rows of its fit."""
-    out = tmp_path / "sim.json"
-    fixed = ["--calibration", "h100-mps-v2-lite-27-fixed", "--preset", "v2-lite",
-             "--attention-share", "25", "--ffn-share", str(ffn_share)]  # fmt: skip
-    argv = _v2_lite_27_uneven_at_two_stages(fixed, 2, assign, out)
-    _assert_projected(argv, rate, out, expected, capsys)
